@@ -1,0 +1,48 @@
+"""Train a byte-level Llama-style model on the embedded corpus (the Python standard library's source).
+
+  python main.py                                         # this config, preset `small`, ~3 minutes on 2 cores
+  python main.py --config=configs/default.py:tiny        # a seconds-long smoke run
+  python main.py --config=configs/default.py:1b --dry_run
+  python main.py --config.train.steps=60 --workdir=runs/try   # any key can be overridden
+"""
+import ml_collections
+
+from configs import presets
+
+
+def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
+  preset = preset or 'small'
+  shape = presets.train_shape(preset)
+  config = ml_collections.ConfigDict()
+  config.name = f'default:{preset}'
+  config.model = presets.model(preset)
+  config.precision = 'fp32'               # fp32 | bf16_mixed | bf16 | fp16
+
+  config.train = dict(
+      steps=shape['steps'],
+      batch_size=shape['batch_size'],     # global, in sequences
+      seq_len=shape['seq_len'],
+      learning_rate=shape['learning_rate'],
+      warmup_steps=max(1, shape['steps'] // 20),
+      min_lr_ratio=0.1,                   # cosine decays to this fraction of the peak
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      grad_clip=1.0,                      # global-norm clipping
+      microbatches=1,                     # gradient accumulation
+      log_every=10,
+      eval_every=max(1, shape['steps'] // 6),
+      eval_batches=8,
+      checkpoint_every=max(1, shape['steps'] // 3),
+      keep_checkpoints=3,
+      seed=0,
+  )
+  config.data = dict(
+      path='',                            # a glob of text files; '' = the embedded stdlib corpus
+      val_fraction=0.05,
+  )
+  config.mesh = dict(data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
+  config.parallel = dict(zero_stage=0)
+  config.quant = dict(mode='none')
+  config.sample = dict(prompt='def ', length=200, temperature=0.8)
+  return config

@@ -1,0 +1,48 @@
+"""Model-size presets, chosen by the config argument (`configs/default.py:1b`).
+
+Each preset is a model shape plus the training shape it is usually run at. The small ones train on
+this machine's CPU; the large ones (Llama shapes) exist for dry runs, planning and GPUs.
+"""
+MODELS = {
+    # For tests: compiles in seconds.
+    'tiny': dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, mlp_dim=192, max_seq_len=256),
+    # The CPU default: a byte-level model that learns Python's look in a few minutes on 2 cores.
+    'small': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                  head_dim=32, mlp_dim=768, max_seq_len=512),
+    # ~104M parameters (byte vocabulary).
+    '100m': dict(vocab_size=256, d_model=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                 head_dim=64, mlp_dim=3072, max_seq_len=1024),
+    # Llama-3.2-1B shapes (tied embeddings, 128k vocabulary).
+    '1b': dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+               head_dim=64, mlp_dim=8192, max_seq_len=8192, rope_theta=500000.0),
+    # Llama-2-7B shapes.
+    '7b': dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+               head_dim=128, mlp_dim=11008, max_seq_len=4096, tie_embeddings=False),
+    # Llama-2-70B shapes (grouped-query attention, 8 KV heads).
+    '70b': dict(vocab_size=32000, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                head_dim=128, mlp_dim=28672, max_seq_len=4096, tie_embeddings=False),
+}
+
+# The training shape each preset runs at by default: (global batch in sequences, sequence length,
+# steps, peak learning rate). Overridable with --config.train.*.
+TRAIN_SHAPES = {
+    'tiny': dict(batch_size=8, seq_len=64, steps=60, learning_rate=3e-3),
+    'small': dict(batch_size=16, seq_len=128, steps=600, learning_rate=2e-3),
+    '100m': dict(batch_size=32, seq_len=512, steps=2000, learning_rate=6e-4),
+    '1b': dict(batch_size=64, seq_len=2048, steps=10000, learning_rate=3e-4),
+    '7b': dict(batch_size=256, seq_len=4096, steps=10000, learning_rate=3e-4),
+    '70b': dict(batch_size=512, seq_len=4096, steps=10000, learning_rate=1.5e-4),
+}
+
+
+def model(name: str) -> dict:
+  if name not in MODELS:
+    raise ValueError(f'model preset {name!r} is not known; allowed: {", ".join(MODELS)}')
+  base = dict(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, remat='none', init_std=0.02)
+  return {**base, **MODELS[name]}
+
+
+def train_shape(name: str) -> dict:
+  model(name)
+  return dict(TRAIN_SHAPES[name])

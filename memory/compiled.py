@@ -1,0 +1,23 @@
+"""Per-device memory of a compiled program, from XLA's memory analysis (no allocation needed)."""
+GiB = 2.0**30
+
+
+def compiled_memory(compiled) -> dict:
+  """arguments, outputs, aliased (donated), temp and total bytes on one device.
+
+  total = arguments + outputs - aliased + temp: donated inputs share their buffers with the
+  outputs, so they count once."""
+  stats = compiled.memory_analysis()
+  arguments = int(stats.argument_size_in_bytes)
+  outputs = int(stats.output_size_in_bytes)
+  aliased = int(stats.alias_size_in_bytes)
+  temp = int(stats.temp_size_in_bytes)
+  return {'arguments': arguments, 'outputs': outputs, 'aliased': aliased, 'temp': temp,
+          'total': arguments + outputs - aliased + temp}
+
+
+def peak_device_memory() -> int | None:
+  """Peak bytes in use on the first local device, where the backend reports it (GPUs, not CPUs)."""
+  import jax
+  stats = jax.local_devices()[0].memory_stats()
+  return int(stats['peak_bytes_in_use']) if stats and 'peak_bytes_in_use' in stats else None

@@ -1,0 +1,68 @@
+"""Analytic per-device memory of a train step: parameters, gradients, optimizer state, activations.
+
+A first model, stated so it can be checked against the compiler (memory.json holds both):
+- parameters are stored in the policy's param dtype, replicated on every device (data parallel);
+- gradients have the parameters' size and dtype (they are accumulated in it);
+- AdamW keeps two moments of the same size and dtype;
+- activations: what the backward pass keeps for one microbatch on one device, per layer, given the
+  remat policy, plus the fp32 logits, their softmax and gradient, and one layer's working set that
+  is rebuilt during the backward pass when remat is on.
+"""
+import dataclasses
+
+from models.config import ModelConfig
+from quant.precision import Policy
+
+FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  rows_per_device: int   # sequences in one microbatch on one device
+  seq_len: int
+  param_shards: int = 1  # devices a parameter is split over
+  grad_shards: int = 1
+  optimizer_shards: int = 1
+
+
+def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int) -> dict[str, float]:
+  """Bytes one token leaves behind in one layer for the backward pass, with no remat."""
+  c = policy.compute_bytes
+  qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+  return {
+      'residual_and_norms': 4 * cfg.d_model * c + 2 * cfg.d_model * FP32,  # inputs, normed, fp32 norm math
+      'qkv': 2 * qkv * c,                                  # projections before and after rotary
+      'attention_scores': 2 * cfg.num_heads * seq_len * c,  # logits and softmax probabilities
+      'attention_out': cfg.num_heads * cfg.head_dim * c,
+      'mlp': 4 * cfg.mlp_dim * c,                          # gate, up, silu(gate), product
+  }
+
+
+def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  tokens = shape.rows_per_device * shape.seq_len
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len)
+  full_layer = sum(saved.values())
+  carry = cfg.d_model * policy.compute_bytes              # the residual stream between layers
+  kept_by_policy = {
+      'none': full_layer,
+      'full': carry,
+      'dots': carry + saved['qkv'] / 2 + saved['attention_out'] + 3 * cfg.mlp_dim * policy.compute_bytes,
+      'qkv': carry + saved['qkv'] / 2,
+  }[cfg.remat]
+  rebuilt = 0 if cfg.remat == 'none' else full_layer       # one layer recomputed at a time
+  logits = 3 * cfg.vocab_size * FP32                       # logits, softmax, their gradient
+  return tokens * (cfg.num_layers * kept_by_policy + rebuilt + logits)
+
+
+def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  n = cfg.num_params
+  p = policy.param_bytes
+  parts = {
+      'params': n * p / shape.param_shards,
+      'grads': n * p / shape.grad_shards,
+      'optimizer': 2 * n * p / shape.optimizer_shards,
+      'activations': activation_bytes(cfg, policy, shape),
+  }
+  parts = {k: int(v) for k, v in parts.items()}
+  parts['total'] = sum(parts.values())
+  return parts

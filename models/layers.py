@@ -1,0 +1,97 @@
+"""The blocks of a Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+from models.sharding import constrain
+from quant.dense import Dense, logical_param
+from quant.precision import Policy
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, computed in fp32 whatever the compute dtype (the mean of squares underflows in 16 bits)."""
+
+  def __init__(self, dim: int, *, eps: float, policy: Policy):
+    self.eps = eps
+    self.policy = policy
+    self.scale = logical_param(jnp.ones((dim,), policy.param_dtype), ('embed',))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(self.policy.compute_dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of shape [batch, length, head_dim // 2] for integer positions [batch, length]."""
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate [batch, length, heads, head_dim] in Llama's half-rotation layout:
+  dimension i pairs with i + head_dim/2 (not with its neighbour, as in the original RoFormer)."""
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Causal self-attention; num_kv_heads < num_heads shares each K/V head among a group of query heads."""
+
+  def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
+    d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    std = cfg.init_std
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2: residual projections scaled by depth
+    self.cfg = cfg
+    self.query = Dense(d, (h, hd), axes=('embed', 'heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
+    self.key = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
+    self.value = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
+    self.out = Dense((h, hd), d, axes=('heads', 'head_dim', 'embed'), policy=policy, rngs=rngs, init_std=out_std)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    q = constrain(self.query(x), ('batch', 'length', 'heads', 'head_dim'))
+    k = constrain(self.key(x), ('batch', 'length', 'kv_heads', 'head_dim'))
+    v = constrain(self.value(x), ('batch', 'length', 'kv_heads', 'head_dim'))
+    q = checkpoint_name(apply_rope(q, cos, sin), 'query')
+    k = checkpoint_name(apply_rope(k, cos, sin), 'key')
+    v = checkpoint_name(v, 'value')
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
+    return self.out(attended)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
+    d, m = cfg.d_model, cfg.mlp_dim
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    self.gate = Dense(d, m, axes=('embed', 'mlp'), policy=policy, rngs=rngs, init_std=cfg.init_std)
+    self.up = Dense(d, m, axes=('embed', 'mlp'), policy=policy, rngs=rngs, init_std=cfg.init_std)
+    self.down = Dense(m, d, axes=('mlp', 'embed'), policy=policy, rngs=rngs, init_std=out_std)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+    hidden = constrain(hidden, ('batch', 'length', 'mlp'))
+    return self.down(hidden)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
+    self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+    self.attention = Attention(cfg, policy=policy, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+    self.mlp = MLP(cfg, policy=policy, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    x = x + self.attention(self.attention_norm(x), cos, sin)
+    x = constrain(x, ('batch', 'length', 'embed'))
+    x = x + self.mlp(self.mlp_norm(x))
+    return constrain(x, ('batch', 'length', 'embed'))

@@ -1,0 +1,45 @@
+"""The one dense projection every matmul in the model goes through.
+
+Weights carry logical axis names (for sharding rules) and are stored in the policy's param dtype;
+the product runs in the policy's compute dtype. Quantized modes plug in here, not in the model.
+The kernel may have several input and output dimensions (e.g. `[embed] -> [heads, head_dim]`), so
+tensor parallelism can split heads without reshapes in the model.
+"""
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from quant.precision import Policy
+
+
+def logical_param(value: jax.Array, axes: Sequence[str]) -> nnx.Param:
+  """A parameter annotated with logical axis names; the mesh placement is decided later by rules."""
+  # eager_sharding=False: the model is built without a mesh; train/ places it with jit out_shardings.
+  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+  return tuple(x) if isinstance(x, Sequence) else (int(x),)
+
+
+class Dense(nnx.Module):
+  """y = x @ W over the trailing `in_features` dims of x; W is `in_features + out_features`."""
+
+  def __init__(self, in_features, out_features, *, axes: tuple[str, ...], policy: Policy,
+               rngs: nnx.Rngs, init_std: float):
+    self.in_features = _as_tuple(in_features)
+    self.out_features = _as_tuple(out_features)
+    shape = self.in_features + self.out_features
+    if len(axes) != len(shape):
+      raise ValueError(f'axes {axes} do not name every kernel dimension {shape}')
+    self.policy = policy
+    kernel = jax.nn.initializers.normal(init_std)(rngs.params(), shape, policy.param_dtype)
+    self.kernel = logical_param(kernel, axes)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_features)
+    dtype = self.policy.compute_dtype
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    return jax.lax.dot_general(x.astype(dtype), self.kernel[...].astype(dtype), (contract, ((), ())))

@@ -1,0 +1,8 @@
+"""Test session set-up: 8 simulated CPU devices, so multi-device layouts run on any machine.
+
+The flag must be set before JAX initialises its backends, which is why it lives here.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,1 @@
+"""Training: state, optimizer, the step, evaluation, sampling, checkpoints, metrics and the loop."""

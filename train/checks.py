@@ -1,0 +1,59 @@
+"""Config validation: every bad value gets one line naming it and what is allowed, before any
+compile and before anything in the workdir is touched."""
+from models.config import ModelConfig
+from quant.precision import Policy, get_policy
+
+QUANT_MODES = ('none',)
+ZERO_STAGES = (0,)
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def model_config(config) -> ModelConfig:
+  try:
+    return ModelConfig.from_config(config.model)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e)) from None
+
+
+def policy(config) -> Policy:
+  try:
+    return get_policy(config.precision)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int) -> None:
+  """Shape checks that need to know how many ways the batch is split."""
+  model, train = model_config(config), config.train
+  policy(config)
+  for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
+              'eval_batches', 'checkpoint_every', 'keep_checkpoints'):
+    value = train[key]
+    if not isinstance(value, int) or value < 1:
+      raise ConfigError(f'train.{key}={value!r}; it must be a positive integer')
+  if not train.learning_rate > 0:
+    raise ConfigError(f'train.learning_rate={train.learning_rate!r}; it must be positive')
+  if train.seq_len > model.max_seq_len:
+    raise ConfigError(f'train.seq_len={train.seq_len} is above the model maximum '
+                      f'model.max_seq_len={model.max_seq_len}; use at most {model.max_seq_len}')
+  if model.vocab_size < tokenizer_vocab:
+    raise ConfigError(f'model.vocab_size={model.vocab_size} is smaller than the tokenizer\'s '
+                      f'{tokenizer_vocab} tokens; use at least {tokenizer_vocab}')
+  per_step = data_parallel * train.microbatches
+  if train.batch_size % per_step:
+    raise ConfigError(
+        f'train.batch_size={train.batch_size} is not divisible by {data_parallel} data-parallel '
+        f'devices x train.microbatches={train.microbatches} = {per_step}; use a multiple of {per_step}')
+  if train.batch_size % process_count:
+    raise ConfigError(f'train.batch_size={train.batch_size} is not divisible by the '
+                      f'{process_count} processes; use a multiple of {process_count}')
+  if config.quant.mode not in QUANT_MODES:
+    raise ConfigError(f'quant.mode={config.quant.mode!r}; allowed: {", ".join(QUANT_MODES)}')
+  if config.parallel.zero_stage not in ZERO_STAGES:
+    raise ConfigError(f'parallel.zero_stage={config.parallel.zero_stage!r}; allowed: '
+                      f'{", ".join(map(str, ZERO_STAGES))}')
+  if not 0 < config.data.val_fraction <= 0.5:
+    raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')

@@ -1,0 +1,33 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+import jax
+import optax
+
+
+def learning_rate_schedule(train_cfg) -> optax.Schedule:
+  warmup = min(train_cfg.warmup_steps, max(train_cfg.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=train_cfg.learning_rate,
+      warmup_steps=warmup,
+      decay_steps=max(train_cfg.steps, warmup + 1),
+      end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
+  )
+
+
+def weight_decay_mask(params):
+  """Decay matrices (projections, embeddings); leave vectors (norm scales) alone.
+
+  Stacked layers add a leading `layers` dimension, so a norm scale inside the scanned stack is 2-D:
+  what counts is the rank of one layer's tensor, read from the path ('blocks' = stacked)."""
+  def decays(path, leaf):
+    stacked = any(getattr(key, 'key', None) == 'blocks' for key in path)
+    return leaf.ndim - int(stacked) >= 2
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.clip_by_global_norm(train_cfg.grad_clip),
+      optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
+                  weight_decay=train_cfg.weight_decay, mask=weight_decay_mask),
+  )

@@ -1,0 +1,244 @@
+"""A training run, top to bottom: check the config, read the data, build the mesh and the state's
+layout, compile the step (and record its memory), create or restore the state, train, evaluate,
+checkpoint, and print a sample. `--dry_run` stops after the compile."""
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from flax import linen
+from tqdm import tqdm
+
+import data as data_lib
+from memory.compiled import GiB, compiled_memory, peak_device_memory
+from memory.estimate import StepShape, estimate
+from models.config import ModelConfig
+from parallel.mesh import data_parallel_size, make_mesh
+from parallel.rules import logical_rules
+from parallel.sharding import batch_sharding, replicated
+from quant.precision import Policy
+from train import checks
+from train.checkpoint import Checkpointer
+from train.evaluate import evaluate, make_eval_step
+from train.metrics import MetricsWriter
+from train.optimizer import learning_rate_schedule, make_optimizer
+from train.sample import generate
+from train.state import StateLayout, state_layout
+from train.step import make_train_step
+
+
+@dataclasses.dataclass
+class Setup:
+  config: object
+  model: ModelConfig
+  policy: Policy
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  layout: StateLayout
+  train_step: object        # jitted, with shardings and donation
+  batch_sharding: jax.sharding.NamedSharding
+
+  def context(self):
+    """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
+    return _Both(jax.set_mesh(self.mesh), linen.logical_axis_rules(self.rules))
+
+
+class _Both:
+  def __init__(self, *contexts):
+    self.contexts = contexts
+
+  def __enter__(self):
+    for c in self.contexts:
+      c.__enter__()
+
+  def __exit__(self, *exc):
+    for c in reversed(self.contexts):
+      c.__exit__(*exc)
+
+
+def _is_main() -> bool:
+  return jax.process_index() == 0
+
+
+def setup(config) -> Setup:
+  """Validate and lay out everything; allocates nothing."""
+  model, policy = checks.model_config(config), checks.policy(config)
+  try:
+    mesh = make_mesh(dict(config.mesh))
+  except ValueError as e:
+    raise checks.ConfigError(str(e)) from None
+  checks.check_config(config, data_parallel=data_parallel_size(mesh),
+                      process_count=jax.process_count(),
+                      tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
+  rules = logical_rules()
+  tx = make_optimizer(config.train)
+  layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
+  step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches)
+  tokens_sharding = batch_sharding(mesh, rules)
+  batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
+  train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
+                       out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
+  return Setup(config, model, policy, mesh, rules, layout, train_step, tokens_sharding)
+
+
+def compile_train_step(s: Setup):
+  """Lower and compile on abstract inputs: nothing is allocated, the memory can be read."""
+  train = s.config.train
+  batch = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), np.int32, sharding=s.batch_sharding)
+  with s.context():
+    return s.train_step.lower(s.layout.abstract, {'inputs': batch, 'targets': batch}).compile()
+
+
+def memory_report(s: Setup, compiled) -> dict:
+  train = s.config.train
+  rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
+  return {
+      'num_params': s.model.num_params,
+      'mesh': dict(s.mesh.shape),
+      'per_device_bytes': compiled_memory(compiled),
+      'estimate_bytes': estimate(s.model, s.policy, StepShape(rows, train.seq_len)),
+  }
+
+
+def print_summary(s: Setup, memory: dict) -> None:
+  if not _is_main():
+    return
+  compiled, estimated = memory['per_device_bytes'], memory['estimate_bytes']
+  devices = jax.devices()
+  print(f'config      {s.config.name}  (precision {s.policy.name}: {s.policy.description})')
+  print(f'devices     {len(devices)} x {devices[0].platform} in {jax.process_count()} process(es); '
+        f'mesh {dict(s.mesh.shape)}')
+  print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
+        f'd_model {s.model.d_model}, remat {s.model.remat}')
+  print(f'memory      per device: compiled {compiled["total"] / GiB:.3f} GiB (arguments '
+        f'{compiled["arguments"] / GiB:.3f}, temp {compiled["temp"] / GiB:.3f}); estimate '
+        f'{estimated["total"] / GiB:.3f} GiB (params {estimated["params"] / GiB:.3f}, grads '
+        f'{estimated["grads"] / GiB:.3f}, optimizer {estimated["optimizer"] / GiB:.3f}, '
+        f'activations {estimated["activations"] / GiB:.3f})')
+
+
+def _write_json(path: str, value) -> None:
+  if _is_main():
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(value, f, indent=2, sort_keys=True)
+      f.write('\n')
+
+
+def dry_run(config, workdir: str) -> dict:
+  s = setup(config)
+  memory = memory_report(s, compile_train_step(s))
+  print_summary(s, memory)
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, 'memory.json'), memory)
+  return memory
+
+
+def _load_data(config):
+  root, files = data_lib.list_files(config.data.path)
+  train_files, val_files = data_lib.split_files(root, files, config.data.val_fraction)
+  tokenizer = data_lib.ByteTokenizer()
+  return (tokenizer, data_lib.load_tokens(train_files, tokenizer),
+          data_lib.load_tokens(val_files, tokenizer))
+
+
+def _global_batch(s: Setup, local: dict) -> dict:
+  """Each process contributes its own rows; the result is one global array per key."""
+  return {k: jax.make_array_from_process_local_data(s.batch_sharding, v) for k, v in local.items()}
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Train (or resume) in `workdir`; returns the last evaluation."""
+  s = setup(config)
+  train = config.train
+  tokenizer, train_tokens, val_tokens = _load_data(config)
+  process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
+                                  global_batch_size=train.batch_size, seed=train.seed, **process)
+  eval_batches = [_global_batch(s, b) for b in data_lib.eval_batches(
+      val_tokens, seq_len=train.seq_len, batch_size=train.batch_size,
+      num_batches=train.eval_batches, **process)]
+
+  checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'), keep=train.keep_checkpoints)
+  start = checkpoints.latest_step()
+  if start is not None:
+    checkpoints.check_shapes(start, s.layout.abstract)   # before anything is written
+
+  compiled = compile_train_step(s)
+  memory = memory_report(s, compiled)
+  print_summary(s, memory)
+  _write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+  _write_json(os.path.join(workdir, 'memory.json'), memory)
+
+  if start is None:
+    state, start = s.layout.init(), 0
+  else:
+    state, data_state = checkpoints.restore(start, s.layout.abstract)
+    batches.set_state(data_state)
+    if _is_main():
+      print(f'resumed     from step {start} in {checkpoints.directory}')
+
+  with s.context():
+    eval_step = jax.jit(make_eval_step(s.layout.graphdef),
+                        in_shardings=(s.layout.shardings['params'],
+                                      {'inputs': s.batch_sharding, 'targets': s.batch_sharding}),
+                        out_shardings=replicated(s.mesh))
+  metrics = MetricsWriter(workdir, enabled=_is_main())
+  tokens_per_step = train.batch_size * train.seq_len
+  learning_rate = learning_rate_schedule(train)
+  last_eval: dict = {}
+
+  def run_eval(step: int) -> dict:
+    with s.context():
+      result = evaluate(eval_step, state['params'], eval_batches,
+                        bytes_per_token=1.0)  # the byte tokenizer: one token is one byte
+    metrics.write(step, result)
+    if _is_main():
+      tqdm.write(f'eval  step {step}: loss {result["eval_loss"]:.4f} nats/token, '
+                 f'{result["eval_bits_per_byte"]:.4f} bits/byte, perplexity {result["eval_perplexity"]:.2f}')
+    return result
+
+  if start == 0:
+    last_eval = run_eval(0)
+  bar = tqdm(total=train.steps, initial=start, disable=not _is_main(), unit='step',
+             dynamic_ncols=True)
+  interval_start, interval_steps = time.perf_counter(), 0
+  for step in range(start + 1, train.steps + 1):
+    batch = _global_batch(s, next(batches))
+    state, step_metrics = compiled(state, batch)
+    interval_steps += 1
+    if step % train.log_every == 0 or step == train.steps:
+      values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
+      elapsed = time.perf_counter() - interval_start
+      row = {k: float(v) for k, v in values.items()}
+      row['tokens_per_sec'] = interval_steps * tokens_per_step / elapsed
+      row['learning_rate'] = float(learning_rate(step - 1))
+      metrics.write(step, row)
+      bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
+      interval_start, interval_steps = time.perf_counter(), 0
+    bar.update(1)
+    if step % train.eval_every == 0 or step == train.steps:
+      last_eval = run_eval(step)
+    if step % train.checkpoint_every == 0 or step == train.steps:
+      checkpoints.save(step, state, batches.get_state())
+  bar.close()
+  checkpoints.wait()
+  checkpoints.close()
+
+  final = {**last_eval, 'peak_device_bytes': peak_device_memory()}
+  metrics.write(train.steps, {k: v for k, v in final.items() if v is not None})
+  metrics.close()
+  if _is_main():
+    _print_sample(s, state, tokenizer)
+  return last_eval
+
+
+def _print_sample(s: Setup, state, tokenizer) -> None:
+  sample = s.config.sample
+  # No rules in context: a batch of one cannot be split over the data-parallel devices.
+  tokens = generate(s.layout.graphdef, state['params'], tokenizer.encode(sample.prompt),
+                    num_tokens=sample.length, window=s.config.train.seq_len,
+                    temperature=sample.temperature, seed=s.config.train.seed)
+  print(f'sample (prompt {sample.prompt!r}, temperature {sample.temperature}):')
+  print(tokenizer.decode(tokens))

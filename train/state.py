@@ -1,0 +1,55 @@
+"""The train state and where each of its arrays lives.
+
+The state is a plain dict: `step`, `params` (a pure dict mirroring the model), `opt_state` (optax)
+and `loss_scale`. Its shape and shardings are derived from `jax.eval_shape` of the initialiser, so
+a model of any size can be described (and its train step compiled) without allocating it; then
+`jax.jit(init, out_shardings=...)` creates the arrays already in place.
+"""
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from models import ModelConfig, Transformer
+from parallel.sharding import param_shardings, replicated
+from quant.loss_scale import init_loss_scale
+from quant.precision import Policy
+
+
+@dataclasses.dataclass
+class StateLayout:
+  graphdef: Any            # the model's structure (nnx), merged with `params` to run it
+  abstract: Any            # ShapeDtypeStruct tree of the train state, each with its sharding
+  shardings: Any           # NamedSharding tree of the train state
+  init: Callable[[], Any]  # jitted: creates the state already sharded
+
+
+def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transformer:
+  return Transformer(model_cfg, policy=policy, rngs=nnx.Rngs(params=seed))
+
+
+def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTransformation,
+                 mesh: Mesh, rules, seed: int) -> StateLayout:
+  abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, policy, seed))
+  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+  params_sharding = param_shardings(abstract_params, mesh, rules)
+
+  def init():
+    graphdef_, params = nnx.split(build_model(model_cfg, policy, seed), nnx.Param)
+    params = nnx.to_pure_dict(params)
+    return {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
+            'opt_state': tx.init(params), 'loss_scale': init_loss_scale()}
+
+  abstract = jax.eval_shape(init)
+  whole = replicated(mesh)
+  opt_sharding = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract['opt_state'], params_sharding,
+      transform_non_params=lambda _: whole)
+  shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
+               'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return StateLayout(graphdef, abstract, shardings, jax.jit(init, out_shardings=shardings))
