@@ -11,7 +11,10 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config file[:preset].')
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
+# No default here: ml_collections would parse it, and every override, at import time.
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:preset]; '
+                                          'default configs/default.py.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default: a fresh folder under runs/. '
                                'Re-using one resumes from its latest checkpoint.')
 _HOST_DEVICES = flags.DEFINE_integer('host_devices', None, 'With no accelerator, simulate N CPU devices.')
@@ -31,6 +34,57 @@ def _init_jax() -> None:
   if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+
+
+def _load_config_file(spec: str):
+  """The config a `--config=path[:arg]` value names, before any override."""
+  import importlib.util
+  path, _, arg = spec.partition(':')
+  module_spec = importlib.util.spec_from_file_location('_config_file', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _unknown_override(argv) -> str | None:
+  """The first `--config.a.b=v` whose key the config does not have, as a one-line message."""
+  spec = next(a.split('=', 1)[1] for a in argv if a.startswith('--config='))
+  node = _load_config_file(spec)
+  for arg in argv:
+    if not arg.startswith('--config.'):
+      continue
+    key = arg[len('--config.'):].split('=', 1)[0]
+    node_here = node
+    for depth, part in enumerate(key.split('.')):
+      if not hasattr(node_here, 'keys') or part not in node_here:
+        parent = '.'.join(key.split('.')[:depth]) or 'the config'
+        known = ', '.join(sorted(node_here.keys())) if hasattr(node_here, 'keys') else 'none'
+        return f'unknown config key {key!r}; keys of {parent}: {known}'
+      node_here = node_here[part]
+  return None
+
+
+def _parse_flags(argv):
+  """absl's parser, with one line (not a traceback) for an override of a key that does not exist."""
+  if not any(a.startswith('--config=') for a in argv):
+    argv = [argv[0], f'--config={DEFAULT_CONFIG}', *argv[1:]]
+  spec = next(a.split('=', 1)[1] for a in argv if a.startswith('--config='))
+  if not os.path.isfile(spec.partition(':')[0]):
+    folder = os.path.dirname(DEFAULT_CONFIG)
+    configs = [f'configs/{f}' for f in sorted(os.listdir(folder))
+               if f.endswith('.py') and 'def get_config' in open(os.path.join(folder, f)).read()]
+    sys.exit(f'error: --config={spec}: no such config file; known: {", ".join(configs)}')
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError):
+    message = _unknown_override(argv)
+    if message is None:
+      raise
+    sys.exit(f'error: {message}')
+  except (flags.Error, ValueError) as e:
+    # A config file's own error arrives wrapped in absl's multi-line report: keep its last line.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    sys.exit(f'error: {lines[-1] if lines else e}')
 
 
 def _default_workdir(config_name: str) -> str:
@@ -60,4 +114,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

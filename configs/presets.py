@@ -28,7 +28,7 @@ MODELS = {
 # steps, peak learning rate). Overridable with --config.train.*.
 TRAIN_SHAPES = {
     'tiny': dict(batch_size=8, seq_len=64, steps=60, learning_rate=3e-3),
-    'small': dict(batch_size=16, seq_len=128, steps=600, learning_rate=2e-3),
+    'small': dict(batch_size=16, seq_len=128, steps=500, learning_rate=2e-3),
     '100m': dict(batch_size=32, seq_len=512, steps=2000, learning_rate=6e-4),
     '1b': dict(batch_size=64, seq_len=2048, steps=10000, learning_rate=3e-4),
     '7b': dict(batch_size=256, seq_len=4096, steps=10000, learning_rate=3e-4),

@@ -128,6 +128,7 @@ def _write_json(path: str, value) -> None:
 
 def dry_run(config, workdir: str) -> dict:
   s = setup(config)
+  data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
   memory = memory_report(s, compile_train_step(s))
   print_summary(s, memory)
   os.makedirs(workdir, exist_ok=True)
