@@ -40,6 +40,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """softmax(q k^T / sqrt(d)) v with a causal mask; q [b, t, heads, d], k and v [b, t, kv_heads, d].
+
+  Query heads are grouped over the KV heads (query head h reads KV head h // group). The matmuls run
+  in the compute dtype; the softmax runs in fp32. Written out (not jax.nn.dot_product_attention)
+  because XLA:CPU has no fp16 x fp16 -> fp32 dot, which that function asks for under fp16.
+  """
+  b, t, heads, d = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+  scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
+  return out.reshape(b, t, heads, d)
+
+
 class Attention(nnx.Module):
   """Causal self-attention; num_kv_heads < num_heads shares each K/V head among a group of query heads."""
 
@@ -60,7 +78,7 @@ class Attention(nnx.Module):
     q = checkpoint_name(apply_rope(q, cos, sin), 'query')
     k = checkpoint_name(apply_rope(k, cos, sin), 'key')
     v = checkpoint_name(v, 'value')
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    attended = causal_attention(q, k, v)
     attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
     return self.out(attended)
 

@@ -5,8 +5,9 @@ import optax
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
   warmup = min(train_cfg.warmup_steps, max(train_cfg.steps - 1, 0))
+  # Start the warmup at peak / warmup rather than 0, so that the first step is not wasted.
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
+      init_value=train_cfg.learning_rate / max(warmup, 1),
       peak_value=train_cfg.learning_rate,
       warmup_steps=warmup,
       decay_steps=max(train_cfg.steps, warmup + 1),

@@ -56,7 +56,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     updates, opt_state = tx.update(grads, state['opt_state'], params)
     new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
                  'opt_state': opt_state, 'loss_scale': state['loss_scale']}
-    metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
     if policy.loss_scaling:
       finite = all_finite(grads)

@@ -1,0 +1,39 @@
+"""Small configs and models shared by the tests."""
+import jax
+import numpy as np
+from flax import nnx
+
+from configs import default
+from models import ModelConfig
+from quant.precision import get_policy
+from train.state import build_model
+
+
+def tiny_config(**overrides):
+  """The tiny preset with `a.b=value` style overrides, e.g. tiny_config(**{'train.steps': 3})."""
+  config = default.get_config('tiny')
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def tiny_model(precision: str = 'fp32', seed: int = 0, **model_overrides):
+  cfg = ModelConfig.from_config({**tiny_config().model.to_dict(), **model_overrides})
+  return cfg, build_model(cfg, get_policy(precision), seed)
+
+
+def random_tokens(shape, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.int32)
+
+
+def split_params(model):
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, nnx.to_pure_dict(params)
+
+
+def tree_allclose(a, b, **tol) -> bool:
+  return all(np.allclose(x, y, **tol) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -1,0 +1,111 @@
+"""The decoder: causality, rotary embeddings, grouped-query attention, parameter bookkeeping."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.layers import Attention, apply_rope, rope_tables
+from quant.precision import get_policy
+from tests.helpers import random_tokens, split_params, tiny_model
+
+
+def test_changing_a_future_token_never_changes_an_earlier_logit():
+  _, model = tiny_model()
+  tokens = random_tokens((2, 32))
+  changed = tokens.copy()
+  changed[:, 20] = (changed[:, 20] + 1) % 256
+  a, b = model(jnp.asarray(tokens)), model(jnp.asarray(changed))
+  np.testing.assert_array_equal(a[:, :20], b[:, :20])
+  assert not np.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_rope_tables_and_rotation_shapes():
+  positions = jnp.broadcast_to(jnp.arange(10), (3, 10))
+  cos, sin = rope_tables(positions, head_dim=16, theta=10000.0)
+  assert cos.shape == sin.shape == (3, 10, 8)
+  x = jnp.ones((3, 10, 4, 16))
+  assert apply_rope(x, cos, sin).shape == x.shape
+
+
+def test_rope_pairs_dimension_i_with_i_plus_half():
+  """Llama's half-rotation layout: energy in dim 0 rotates into dim head_dim/2, nowhere else."""
+  head_dim = 8
+  x = jnp.zeros((1, 1, 1, head_dim)).at[..., 0].set(1.0)
+  cos, sin = rope_tables(jnp.array([[3]]), head_dim, theta=10000.0)
+  rotated = np.asarray(apply_rope(x, cos, sin))[0, 0, 0]
+  np.testing.assert_allclose(rotated[0], np.cos(3.0), rtol=1e-6)
+  np.testing.assert_allclose(rotated[head_dim // 2], np.sin(3.0), rtol=1e-6)
+  others = np.delete(rotated, [0, head_dim // 2])
+  np.testing.assert_allclose(others, 0.0, atol=1e-7)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+  rng = np.random.default_rng(0)
+  q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32) for _ in range(2))
+
+  def score(pq, pk):
+    cq, sq = rope_tables(jnp.array([[pq]]), 16, 10000.0)
+    ck, sk = rope_tables(jnp.array([[pk]]), 16, 10000.0)
+    return float(jnp.sum(apply_rope(q, cq, sq) * apply_rope(k, ck, sk)))
+
+  np.testing.assert_allclose(score(7, 3), score(104, 100), rtol=1e-4)
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
+  cfg, _ = tiny_model()
+  grouped_cfg = cfg.__class__(**{**cfg.__dict__, 'num_heads': 4, 'num_kv_heads': 2})
+  full_cfg = cfg.__class__(**{**cfg.__dict__, 'num_heads': 4, 'num_kv_heads': 4})
+  policy = get_policy('fp32')
+  grouped = Attention(grouped_cfg, policy=policy, rngs=nnx.Rngs(0))
+  full = Attention(full_cfg, policy=policy, rngs=nnx.Rngs(1))
+  full.query.kernel[...] = grouped.query.kernel[...]
+  full.out.kernel[...] = grouped.out.kernel[...]
+  group = grouped_cfg.num_heads // grouped_cfg.num_kv_heads
+  # Query head h reads KV head h // group: repeating each KV head `group` times gives the same map.
+  full.key.kernel[...] = jnp.repeat(grouped.key.kernel[...], group, axis=1)
+  full.value.kernel[...] = jnp.repeat(grouped.value.kernel[...], group, axis=1)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, cfg.d_model)), jnp.float32)
+  cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(12), (2, 12)), cfg.head_dim, cfg.rope_theta)
+  np.testing.assert_allclose(grouped(x, cos, sin), full(x, cos, sin), rtol=1e-5, atol=1e-6)
+  assert grouped.key.kernel.shape == (cfg.d_model, 2, cfg.head_dim)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_parameter_count_matches_the_config_and_every_param_has_logical_axes(tie):
+  cfg, model = tiny_model(tie_embeddings=tie)
+  params = nnx.state(model, nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params
+  for path, variable in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    axes = variable.get_metadata()['out_sharding']
+    assert len(axes) == variable.ndim, path
+    assert set(axes) <= {'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp', 'layers'}
+
+
+def test_layers_are_stacked_on_a_leading_layers_axis():
+  cfg, model = tiny_model()
+  kernel = model.blocks.mlp.gate.kernel
+  assert kernel.shape == (cfg.num_layers, cfg.d_model, cfg.mlp_dim)
+  assert kernel.get_metadata()['out_sharding'][0] == 'layers'
+
+
+def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
+  cfg, _ = tiny_model()
+  matmul = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  matmul += cfg.vocab_size * cfg.d_model
+  assert cfg.flops_per_token(64) == 6 * matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64
+
+
+@pytest.mark.parametrize('remat', ['full', 'dots', 'qkv'])
+def test_remat_policies_give_the_same_gradients(remat):
+  tokens = jnp.asarray(random_tokens((2, 16)))
+
+  def grads_of(model):
+    graphdef, params = split_params(model)
+    return jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean())(params)
+
+  reference = grads_of(tiny_model()[1])
+  rematted = grads_of(tiny_model(remat=remat)[1])
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(rematted)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,126 @@
+"""The train step: learning, gradient accumulation, mixed precision and fp16 loss scaling."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel.mesh import make_mesh
+from parallel.rules import logical_rules
+from quant.precision import get_policy
+from tests.helpers import random_tokens, tiny_config
+from train import checks
+from train.optimizer import make_optimizer
+from train.state import state_layout
+from train.step import make_train_step
+
+
+def make(config, devices=1):
+  model, policy = checks.model_config(config), checks.policy(config)
+  mesh = make_mesh({'data': devices}, jax.devices()[:devices])
+  tx = make_optimizer(config.train)
+  layout = state_layout(model, policy, tx, mesh, logical_rules(), config.train.seed)
+  step = jax.jit(make_train_step(layout.graphdef, tx, policy, config.train.microbatches))
+  return layout, step
+
+
+def batch_of(rows, seq_len=32, seed=0):
+  tokens = random_tokens((rows, seq_len + 1), seed)
+  # A learnable pattern: each sequence repeats a short random motif.
+  tokens = np.tile(tokens[:, :8], (1, (seq_len + 8) // 8))[:, :seq_len + 1]
+  return {'inputs': jnp.asarray(tokens[:, :-1]), 'targets': jnp.asarray(tokens[:, 1:])}
+
+
+def test_loss_falls_over_a_few_dozen_steps():
+  layout, step = make(tiny_config(**{'train.steps': 40, 'train.learning_rate': 3e-3}))
+  state, losses = layout.init(), []
+  for i in range(40):
+    state, metrics = step(state, batch_of(8, seed=i % 4))
+    losses.append(float(metrics['loss']))
+  assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5]), losses
+
+
+def test_k_microbatches_equal_one_batch_of_k_times_the_size():
+  batch = batch_of(8)
+  one_layout, one_step = make(tiny_config(**{'train.microbatches': 1}))
+  acc_layout, acc_step = make(tiny_config(**{'train.microbatches': 4}))
+  one_state, one_metrics = one_step(one_layout.init(), batch)
+  acc_state, acc_metrics = acc_step(acc_layout.init(), batch)
+  np.testing.assert_allclose(one_metrics['loss'], acc_metrics['loss'], rtol=1e-6)
+  np.testing.assert_allclose(one_metrics['grad_norm'], acc_metrics['grad_norm'], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(one_state['params']), jax.tree.leaves(acc_state['params'])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('precision', ['bf16_mixed', 'fp16'])
+def test_mixed_precision_keeps_fp32_master_weights_and_optimizer_state(precision):
+  layout, step = make(tiny_config(precision=precision))
+  state, metrics = step(layout.init(), batch_of(8))
+  assert {x.dtype for x in jax.tree.leaves(state['params'])} == {jnp.dtype(jnp.float32)}
+  moments = [x for x in jax.tree.leaves(state['opt_state']) if x.ndim > 0]
+  assert {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
+  assert np.isfinite(metrics['loss'])
+
+
+def test_bf16_mixed_computes_in_bf16():
+  """Same weights, different compute dtype: the losses agree to bf16 precision but not exactly."""
+  batch = batch_of(8)
+  fp32_layout, fp32_step = make(tiny_config(precision='fp32'))
+  bf16_layout, bf16_step = make(tiny_config(precision='bf16_mixed'))
+  _, a = fp32_step(fp32_layout.init(), batch)
+  _, b = bf16_step(bf16_layout.init(), batch)
+  assert float(a['loss']) != float(b['loss'])
+  np.testing.assert_allclose(a['loss'], b['loss'], rtol=2e-2)
+
+
+def test_pure_bf16_stores_weights_in_bf16():
+  layout, step = make(tiny_config(precision='bf16'))
+  state, _ = step(layout.init(), batch_of(8))
+  assert {x.dtype for x in jax.tree.leaves(state['params'])} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+  layout, step = make(tiny_config(precision='fp16'))
+  state = layout.init()
+  # A scale this large overflows fp16 activations' gradients (max ~65504) to inf.
+  state['loss_scale'] = {'scale': jnp.asarray(2.0**40, jnp.float32),
+                         'good_steps': jnp.asarray(5, jnp.int32)}
+  before = jax.tree.map(np.asarray, state)
+  after, metrics = step(state, batch_of(8))
+  assert bool(metrics['skipped'])
+  for a, b in zip(jax.tree.leaves(before['params']), jax.tree.leaves(after['params'])):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(before['opt_state']), jax.tree.leaves(after['opt_state'])):
+    np.testing.assert_array_equal(a, b)
+  assert float(after['loss_scale']['scale']) == 2.0**39
+  assert int(after['loss_scale']['good_steps']) == 0
+
+
+def test_fp16_finite_step_updates_and_counts_towards_growth():
+  layout, step = make(tiny_config(precision='fp16'))
+  state = layout.init()
+  before = jax.tree.map(np.asarray, state['params'])
+  after, metrics = step(state, batch_of(8))
+  assert not bool(metrics['skipped'])
+  assert not all(np.array_equal(a, b) for a, b in
+                 zip(jax.tree.leaves(before), jax.tree.leaves(after['params'])))
+  assert int(after['loss_scale']['good_steps']) == 1
+  assert float(after['loss_scale']['scale']) == 2.0**15
+
+
+def test_data_parallel_step_matches_one_device():
+  batch = batch_of(8)
+  one_layout, one_step = make(tiny_config())
+  dp_layout, dp_step = make(tiny_config(), devices=8)
+  _, one = one_step(one_layout.init(), batch)
+  _, dp = dp_step(dp_layout.init(), batch)
+  np.testing.assert_allclose(one['loss'], dp['loss'], rtol=1e-5)
+
+
+def test_norm_scales_get_no_weight_decay():
+  from train.optimizer import weight_decay_mask
+  layout, _ = make(tiny_config())
+  mask = weight_decay_mask(layout.abstract['params'])
+  assert mask['final_norm']['scale'] is False
+  assert mask['blocks']['mlp_norm']['scale'] is False
+  assert mask['blocks']['mlp']['gate']['kernel'] is True
+  assert mask['embedding'] is True
