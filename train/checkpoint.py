@@ -21,6 +21,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
+        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=True))
 

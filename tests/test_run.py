@@ -1,0 +1,130 @@
+"""Whole runs: the files a run leaves, exact resume, and bad input refused before anything is written."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import tiny_config
+from train import checks, run
+from train.checkpoint import CheckpointError
+from data import DataError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_corpus(tmp_path) -> str:
+  """A few files of real text (this repository's Python), so runs do not read the 31 MB corpus."""
+  folder = tmp_path / 'corpus'
+  folder.mkdir()
+  for name in ('models/layers.py', 'train/run.py', 'train/step.py', 'data/pipeline.py',
+               'data/corpus.py', 'quant/dense.py', 'memory/estimate.py', 'main.py'):
+    shutil.copy(os.path.join(ROOT, name), folder / name.replace('/', '_'))
+  return str(folder / '*.py')
+
+
+def read_metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def losses_by_step(workdir) -> dict[int, float]:
+  return {row['step']: row['loss'] for row in read_metrics(workdir) if 'loss' in row}
+
+
+def test_resume_reproduces_the_next_losses_of_an_uninterrupted_run(tmp_path):
+  config = tiny_config(**{'train.steps': 6, 'train.checkpoint_every': 3, 'train.log_every': 1,
+                          'train.eval_every': 6, 'data.path': small_corpus(tmp_path)})
+  straight = tmp_path / 'straight'
+  run.train_and_evaluate(config, str(straight))
+  assert sorted(os.listdir(straight / 'checkpoints')) == ['3', '6']
+
+  # The "crash": a copy of the run as it stood after the step-3 checkpoint.
+  resumed = tmp_path / 'resumed'
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(resumed / 'checkpoints' / '6')
+  os.remove(resumed / 'metrics.jsonl')
+  run.train_and_evaluate(config, str(resumed))
+
+  expected, got = losses_by_step(straight), losses_by_step(resumed)
+  assert sorted(got) == [4, 5, 6]
+  assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
+
+
+def test_a_checkpoint_of_a_different_model_is_refused_and_left_untouched(tmp_path):
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'w'
+  run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus}), str(workdir))
+  before = {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))}
+  config_before = (workdir / 'config.json').read_text()
+
+  wider = tiny_config(**{'train.steps': 4, 'data.path': corpus, 'model.d_model': 96})
+  with pytest.raises(CheckpointError, match=r'params/.* has shape .* but .* in this config'):
+    run.train_and_evaluate(wider, str(workdir))
+  assert {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))} == before
+  assert (workdir / 'config.json').read_text() == config_before
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'data.path': '/no/such/dir/*.txt'}, "data.path='/no/such/dir/\\*.txt' matches no files"),
+    ({'train.batch_size': 12}, 'train.batch_size=12 is not divisible by 8 data-parallel devices'),
+    ({'train.seq_len': 512}, 'train.seq_len=512 is above the model maximum model.max_seq_len=256'),
+    ({'precision': 'fp12'}, "precision='fp12' is not a known policy"),
+    ({'mesh.data': 3}, 'mesh .* has 3 devices but 8 are available'),
+])
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, message):
+  workdir = tmp_path / 'w'
+  with pytest.raises((checks.ConfigError, DataError), match=message):
+    run.train_and_evaluate(tiny_config(**overrides), str(workdir))
+  assert not workdir.exists()
+
+
+def main_py(*args, cwd=ROOT):
+  env = {**os.environ, 'XLA_FLAGS': ''}
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'main.py'), *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_main_writes_config_metrics_memory_and_a_checkpoint(tmp_path):
+  workdir = tmp_path / 'W'
+  result = main_py('--config=configs/default.py:tiny', f'--workdir={workdir}',
+                   '--config.train.steps=30', f'--config.data.path={small_corpus(tmp_path)}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 30
+  rows = read_metrics(workdir)
+  losses = [row['loss'] for row in rows if 'loss' in row]
+  assert losses[-1] < losses[0]
+  assert all('tokens_per_sec' in row for row in rows if 'loss' in row)
+  assert any('eval_loss' in row for row in rows)
+  memory = json.loads((workdir / 'memory.json').read_text())
+  assert memory['num_params'] > 0 and memory['mesh']['data'] == 1
+  compiled = memory['per_device_bytes']
+  assert compiled['total'] == compiled['arguments'] + compiled['outputs'] - compiled['aliased'] + compiled['temp']
+  assert set(memory['estimate_bytes']) == {'params', 'grads', 'optimizer', 'activations', 'total'}
+  assert (workdir / 'checkpoints' / '30').is_dir()
+  assert any(p.name.startswith('events.out.tfevents') for p in (workdir / 'tensorboard').iterdir())
+  assert 'sample (prompt' in result.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config.train.nope=1'], "unknown config key 'train.nope'; keys of train: "),
+    (['--config=configs/missing.py'], 'no such config file'),
+    (['--config=configs/default.py:huge'], "model preset 'huge' is not known"),
+    (['--host_devices=2', '--config.train.batch_size=5'], 'train.batch_size=5 is not divisible'),
+])
+def test_main_reports_bad_input_in_one_line(tmp_path, args, message):
+  result = main_py('--dry_run', f'--workdir={tmp_path / "w"}', *args)
+  assert result.returncode != 0
+  assert 'Traceback' not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / 'w').exists()
+
+
+def test_host_devices_simulates_a_data_parallel_mesh(tmp_path):
+  result = main_py('--config=configs/default.py:tiny', '--host_devices=4', '--dry_run',
+                   f'--workdir={tmp_path}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  memory = json.loads((tmp_path / 'memory.json').read_text())
+  assert memory['mesh'] == {'data': 4, 'fsdp': 1, 'tensor': 1}
