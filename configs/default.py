@@ -31,9 +31,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       grad_clip=1.0,                      # global-norm clipping
       microbatches=1,                     # gradient accumulation
       log_every=10,
-      eval_every=max(1, shape['steps'] // 6),
+      eval_every=max(1, shape['steps'] // 5),
       eval_batches=8,
-      checkpoint_every=max(1, shape['steps'] // 3),
+      checkpoint_every=max(1, shape['steps'] // 2),
       keep_checkpoints=3,
       seed=0,
   )
