@@ -27,13 +27,22 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process
 def _init_jax() -> None:
   """Device simulation and multi-host set-up; both must happen before JAX touches a backend."""
   import jax
-  if _HOST_DEVICES.value:
+  if _HOST_DEVICES.value is not None:
     if _HOST_DEVICES.value < 1:
       sys.exit(f'error: --host_devices={_HOST_DEVICES.value}; it must be a positive integer')
     jax.config.update('jax_num_cpu_devices', _HOST_DEVICES.value)
   if _COORDINATOR.value or _NUM_PROCESSES.value:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  elif _launched_as_several_tasks():
+    jax.distributed.initialize()   # JAX reads the coordinator and ranks from SLURM / Open MPI
+
+
+def _launched_as_several_tasks() -> bool:
+  for variable in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE'):
+    if int(os.environ.get(variable, '1') or 1) > 1:
+      return True
+  return False
 
 
 def _load_config_file(spec: str):
@@ -48,8 +57,7 @@ def _load_config_file(spec: str):
 
 def _unknown_override(argv) -> str | None:
   """The first `--config.a.b=v` whose key the config does not have, as a one-line message."""
-  spec = next(a.split('=', 1)[1] for a in argv if a.startswith('--config='))
-  node = _load_config_file(spec)
+  node = _load_config_file(_config_spec(argv))
   for arg in argv:
     if not arg.startswith('--config.'):
       continue
@@ -64,11 +72,29 @@ def _unknown_override(argv) -> str | None:
   return None
 
 
+def _joined_config_flag(argv: list[str]) -> list[str]:
+  """`--config path` as `--config=path`, so the checks below see one form."""
+  out, i = [], 0
+  while i < len(argv):
+    if argv[i] == '--config' and i + 1 < len(argv):
+      out.append(f'--config={argv[i + 1]}')
+      i += 2
+    else:
+      out.append(argv[i])
+      i += 1
+  return out
+
+
+def _config_spec(argv: list[str]) -> str:
+  return next(a.split('=', 1)[1] for a in argv if a.startswith('--config='))
+
+
 def _parse_flags(argv):
   """absl's parser, with one line (not a traceback) for an override of a key that does not exist."""
+  argv = _joined_config_flag(argv)
   if not any(a.startswith('--config=') for a in argv):
     argv = [argv[0], f'--config={DEFAULT_CONFIG}', *argv[1:]]
-  spec = next(a.split('=', 1)[1] for a in argv if a.startswith('--config='))
+  spec = _config_spec(argv)
   if not os.path.isfile(spec.partition(':')[0]):
     folder = os.path.dirname(DEFAULT_CONFIG)
     configs = [f'configs/{f}' for f in sorted(os.listdir(folder))
@@ -101,7 +127,11 @@ def main(argv):
   from train import checks, run
   from train.checkpoint import CheckpointError
 
+  import jax
   config = _CONFIG.value
+  if _WORKDIR.value is None and jax.process_count() > 1:
+    sys.exit('error: --workdir is required with several processes (each would pick its own '
+             'default folder); give every process the same shared path')
   workdir = _WORKDIR.value or _default_workdir(config.name)
   try:
     if _DRY_RUN.value:

@@ -65,7 +65,8 @@ def main(argv):
   seconds = (time.perf_counter() - start) / _STEPS.value
 
   tokens_per_sec = train.batch_size * train.seq_len / seconds
-  model_flops = s.model.flops_per_token(train.seq_len) * tokens_per_sec
+  # Per device, against one device's matmul rate.
+  model_flops = s.model.flops_per_token(train.seq_len) * tokens_per_sec / jax.device_count()
   peak = matmul_flops_per_sec(_MATMUL.value, s.policy.compute_dtype)
   results = {
       'config': config.name, 'precision': s.policy.name, 'devices': jax.device_count(),
@@ -78,7 +79,7 @@ def main(argv):
         f'batch {train.batch_size} x {train.seq_len} tokens, {s.model.num_params / 1e6:.2f} M params')
   print(f'  step time          {seconds * 1e3:.1f} ms')
   print(f'  throughput         {tokens_per_sec:,.0f} tokens/s')
-  print(f'  model FLOPs        {model_flops / 1e9:.2f} GFLOP/s '
+  print(f'  model FLOPs        {model_flops / 1e9:.2f} GFLOP/s per device '
         f'({s.model.flops_per_token(train.seq_len) / 1e6:.2f} MFLOP/token)')
   print(f'  matmul rate        {peak / 1e9:.2f} GFLOP/s ({_MATMUL.value}^2 {jnp.dtype(s.policy.compute_dtype).name} matmul, best of 10)')
   print(f'  MFU                {100 * results["mfu"]:.1f} % of the measured matmul rate')

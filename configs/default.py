@@ -23,7 +23,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       batch_size=shape['batch_size'],     # global, in sequences
       seq_len=shape['seq_len'],
       learning_rate=shape['learning_rate'],
-      warmup_steps=max(1, shape['steps'] // 20),
+      warmup_steps=0,                     # set below, from steps
       min_lr_ratio=0.1,                   # cosine decays to this fraction of the peak
       weight_decay=0.1,
       b1=0.9,
@@ -31,12 +31,18 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       grad_clip=1.0,                      # global-norm clipping
       microbatches=1,                     # gradient accumulation
       log_every=10,
-      eval_every=max(1, shape['steps'] // 5),
+      eval_every=0,                       # set below, from steps
       eval_batches=8,
-      checkpoint_every=max(1, shape['steps'] // 2),
+      checkpoint_every=0,                 # set below, from steps
       keep_checkpoints=3,
       seed=0,
   )
+  # References, so that --config.train.steps=N moves them too (unless they are set themselves):
+  # warmup 5 % of the run, 5 evaluations and 2 checkpoints (rounded up, so never 0).
+  steps = config.train.get_ref('steps')
+  config.train.warmup_steps = (steps + 19) // 20
+  config.train.eval_every = (steps + 4) // 5
+  config.train.checkpoint_every = (steps + 1) // 2
   config.data = dict(
       path='',                            # a glob of text files; '' = the embedded stdlib corpus
       val_fraction=0.05,

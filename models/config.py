@@ -31,6 +31,11 @@ class ModelConfig:
     return cls(**values)
 
   def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
+                 'mlp_dim', 'max_seq_len'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f'model.{name}={value!r}; it must be a positive integer')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads={self.num_heads} must be a multiple of '
                        f'model.num_kv_heads={self.num_kv_heads} (grouped-query attention)')

@@ -49,8 +49,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """
   b, t, heads, d = q.shape
   kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
-  scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+  # Scale q before the product, not the scores after it: fp16 scores would overflow first.
+  q = (q * (1.0 / d**0.5)).astype(q.dtype).reshape(b, t, kv_heads, heads // kv_heads, d)
+  scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), dtype=bool))
   scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

@@ -67,12 +67,25 @@ def test_a_checkpoint_of_a_different_model_is_refused_and_left_untouched(tmp_pat
   assert (workdir / 'config.json').read_text() == config_before
 
 
+def test_resuming_with_a_different_data_stream_is_refused_before_any_write(tmp_path):
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'w'
+  run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus}), str(workdir))
+  before = {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))}
+  other_seed = tiny_config(**{'train.steps': 4, 'data.path': corpus, 'train.seed': 1})
+  with pytest.raises(DataError, match='data iterator state has seed=0 but this run has seed=1'):
+    run.train_and_evaluate(other_seed, str(workdir))
+  assert {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))} == before
+
+
 @pytest.mark.parametrize('overrides, message', [
     ({'data.path': '/no/such/dir/*.txt'}, "data.path='/no/such/dir/\\*.txt' matches no files"),
     ({'train.batch_size': 12}, 'train.batch_size=12 is not divisible by 8 data-parallel devices'),
     ({'train.seq_len': 512}, 'train.seq_len=512 is above the model maximum model.max_seq_len=256'),
     ({'precision': 'fp12'}, "precision='fp12' is not a known policy"),
     ({'mesh.data': 3}, 'mesh .* has 3 devices but 8 are available'),
+    ({'model.num_kv_heads': 0}, 'model.num_kv_heads=0; it must be a positive integer'),
+    ({'train.b2': 1.5}, r'train.b2=1.5; it must be a number in \[0, 1\)'),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, message):
   workdir = tmp_path / 'w'
@@ -94,10 +107,12 @@ def test_main_writes_config_metrics_memory_and_a_checkpoint(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 30
   rows = read_metrics(workdir)
-  losses = [row['loss'] for row in rows if 'loss' in row]
+  assert 'loss' not in rows[0] and rows[0]['step'] == 0 and 'eval_loss' in rows[0]  # the baseline
+  assert all('loss' in row and 'tokens_per_sec' in row for row in rows[1:])
+  losses = [row['loss'] for row in rows[1:]]
   assert losses[-1] < losses[0]
-  assert all('tokens_per_sec' in row for row in rows if 'loss' in row)
-  assert any('eval_loss' in row for row in rows)
+  evals = [row['eval_loss'] for row in rows if 'eval_loss' in row]
+  assert len(evals) == 6 and evals[-1] < evals[0]   # step 0, then every 30 / 5 = 6 steps
   memory = json.loads((workdir / 'memory.json').read_text())
   assert memory['num_params'] > 0 and memory['mesh']['data'] == 1
   compiled = memory['per_device_bytes']

@@ -107,13 +107,23 @@ def test_fp16_finite_step_updates_and_counts_towards_growth():
   assert float(after['loss_scale']['scale']) == 2.0**15
 
 
-def test_data_parallel_step_matches_one_device():
-  batch = batch_of(8)
-  one_layout, one_step = make(tiny_config())
-  dp_layout, dp_step = make(tiny_config(), devices=8)
-  _, one = one_step(one_layout.init(), batch)
-  _, dp = dp_step(dp_layout.init(), batch)
-  np.testing.assert_allclose(one['loss'], dp['loss'], rtol=1e-5)
+@pytest.mark.parametrize('microbatches', [1, 2])
+def test_data_parallel_steps_match_one_device(microbatches):
+  """The run's own sharded, donated step on 8 devices against an unsharded one-device step."""
+  from train import run
+  config = tiny_config(**{'train.batch_size': 16, 'train.microbatches': microbatches})
+  s = run.setup(config)
+  assert s.mesh.shape['data'] == 8
+  one_layout, one_step = make(config)
+  dp_state, one_state = s.layout.init(), one_layout.init()
+  for i in range(3):
+    batch = batch_of(16, seed=i)
+    with s.context():
+      dp_state, dp = s.train_step(dp_state, {k: jax.device_put(v, s.batch_sharding)
+                                             for k, v in batch.items()})
+    one_state, one = one_step(one_state, batch)
+    np.testing.assert_allclose(one['loss'], dp['loss'], rtol=1e-5)
+  assert dp_state['params']['embedding'].sharding.is_fully_replicated
 
 
 def test_norm_scales_get_no_weight_decay():

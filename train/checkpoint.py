@@ -45,10 +45,15 @@ class Checkpointer:
             f'shape {have} there but {want} in this config; use a fresh --workdir or the config '
             f'that wrote it ({os.path.dirname(self.directory)}/config.json)')
 
-  def restore(self, step: int, abstract_state) -> tuple:
+  def restore_data(self, step: int) -> dict:
+    """The data iterator's state alone: small, read before anything is compiled."""
+    return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
+
+  def restore_state(self, step: int, abstract_state):
+    """The train state, placed as `abstract_state`'s shardings say (any mesh)."""
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    return restored['state'], restored['data']
+        state=ocp.args.StandardRestore(abstract_state)))
+    return restored['state']
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

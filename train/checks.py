@@ -28,14 +28,28 @@ def policy(config) -> Policy:
 def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int) -> None:
   """Shape checks that need to know how many ways the batch is split."""
   model, train = model_config(config), config.train
-  policy(config)
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
               'eval_batches', 'checkpoint_every', 'keep_checkpoints'):
     value = train[key]
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f'train.{key}={value!r}; it must be a positive integer')
-  if not train.learning_rate > 0:
-    raise ConfigError(f'train.learning_rate={train.learning_rate!r}; it must be positive')
+  ranges = {  # key: (test, what is allowed)
+      'learning_rate': (lambda v: v > 0, 'a positive number'),
+      'warmup_steps': (lambda v: isinstance(v, int) and v >= 0, 'an integer >= 0'),
+      'min_lr_ratio': (lambda v: 0 <= v <= 1, 'a number in [0, 1]'),
+      'weight_decay': (lambda v: v >= 0, 'a number >= 0'),
+      'b1': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
+      'b2': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
+      'grad_clip': (lambda v: v > 0, 'a positive number'),
+  }
+  for key, (ok, allowed) in ranges.items():
+    if not ok(train[key]):
+      raise ConfigError(f'train.{key}={train[key]!r}; it must be {allowed}')
+  sample = config.sample
+  if not sample.prompt or not isinstance(sample.length, int) or sample.length < 0 \
+      or sample.temperature < 0:
+    raise ConfigError(f'sample={sample.to_dict()}; the prompt must be non-empty, the length an '
+                      f'integer >= 0 and the temperature >= 0 (0 = greedy)')
   if train.seq_len > model.max_seq_len:
     raise ConfigError(f'train.seq_len={train.seq_len} is above the model maximum '
                       f'model.max_seq_len={model.max_seq_len}; use at most {model.max_seq_len}')

@@ -1,6 +1,7 @@
 """A training run, top to bottom: check the config, read the data, build the mesh and the state's
 layout, compile the step (and record its memory), create or restore the state, train, evaluate,
 checkpoint, and print a sample. `--dry_run` stops after the compile."""
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,20 +43,10 @@ class Setup:
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
-    return _Both(jax.set_mesh(self.mesh), linen.logical_axis_rules(self.rules))
-
-
-class _Both:
-  def __init__(self, *contexts):
-    self.contexts = contexts
-
-  def __enter__(self):
-    for c in self.contexts:
-      c.__enter__()
-
-  def __exit__(self, *exc):
-    for c in reversed(self.contexts):
-      c.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(linen.logical_axis_rules(self.rules))
+    return stack
 
 
 def _is_main() -> bool:
@@ -129,6 +120,9 @@ def _write_json(path: str, value) -> None:
 def dry_run(config, workdir: str) -> dict:
   s = setup(config)
   data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
+  checkpoints, _ = _existing_checkpoints(s, workdir)   # nor may it overwrite another model's memory.json
+  if checkpoints:
+    checkpoints.close()
   memory = memory_report(s, compile_train_step(s))
   print_summary(s, memory)
   os.makedirs(workdir, exist_ok=True)
@@ -161,22 +155,23 @@ def train_and_evaluate(config, workdir: str) -> dict:
       val_tokens, seq_len=train.seq_len, batch_size=train.batch_size,
       num_batches=train.eval_batches, **process)]
 
-  checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'), keep=train.keep_checkpoints)
-  start = checkpoints.latest_step()
-  if start is not None:
-    checkpoints.check_shapes(start, s.layout.abstract)   # before anything is written
+  checkpoints, start = _existing_checkpoints(s, workdir)
+  if start is not None:   # refuse a checkpoint of another model or data stream before any write
+    batches.set_state(checkpoints.restore_data(start))
 
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)
   print_summary(s, memory)
+  os.makedirs(workdir, exist_ok=True)
   _write_json(os.path.join(workdir, 'config.json'), config.to_dict())
   _write_json(os.path.join(workdir, 'memory.json'), memory)
 
   if start is None:
+    checkpoints = checkpoints or Checkpointer(os.path.join(workdir, 'checkpoints'),
+                                              keep=train.keep_checkpoints)
     state, start = s.layout.init(), 0
   else:
-    state, data_state = checkpoints.restore(start, s.layout.abstract)
-    batches.set_state(data_state)
+    state = checkpoints.restore_state(start, s.layout.abstract)
     if _is_main():
       print(f'resumed     from step {start} in {checkpoints.directory}')
 
@@ -186,7 +181,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
                                       {'inputs': s.batch_sharding, 'targets': s.batch_sharding}),
                         out_shardings=replicated(s.mesh))
   metrics = MetricsWriter(workdir, enabled=_is_main())
-  tokens_per_step = train.batch_size * train.seq_len
   learning_rate = learning_rate_schedule(train)
   last_eval: dict = {}
 
@@ -194,52 +188,74 @@ def train_and_evaluate(config, workdir: str) -> dict:
     with s.context():
       result = evaluate(eval_step, state['params'], eval_batches,
                         bytes_per_token=1.0)  # the byte tokenizer: one token is one byte
-    metrics.write(step, result)
     if _is_main():
       tqdm.write(f'eval  step {step}: loss {result["eval_loss"]:.4f} nats/token, '
                  f'{result["eval_bits_per_byte"]:.4f} bits/byte, perplexity {result["eval_perplexity"]:.2f}')
     return result
 
-  if start == 0:
+  if start == 0:   # the untrained model's score, the baseline every later evaluation beats
     last_eval = run_eval(0)
+    metrics.write(0, last_eval)
   bar = tqdm(total=train.steps, initial=start, disable=not _is_main(), unit='step',
              dynamic_ncols=True)
-  interval_start, interval_steps = time.perf_counter(), 0
+  # tokens/s counts step time only: evaluation and checkpoint saves are timed and left out.
+  interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
   for step in range(start + 1, train.steps + 1):
     batch = _global_batch(s, next(batches))
     state, step_metrics = compiled(state, batch)
     interval_steps += 1
-    if step % train.log_every == 0 or step == train.steps:
+    last = step == train.steps
+    evaluating = step % train.eval_every == 0 or last
+    if evaluating or step % train.log_every == 0:
       values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
-      elapsed = time.perf_counter() - interval_start
+      elapsed = time.perf_counter() - interval_start - paused
       row = {k: float(v) for k, v in values.items()}
-      row['tokens_per_sec'] = interval_steps * tokens_per_step / elapsed
+      row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
       row['learning_rate'] = float(learning_rate(step - 1))
-      metrics.write(step, row)
       bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
-      interval_start, interval_steps = time.perf_counter(), 0
+      interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+      if evaluating:
+        last_eval = run_eval(step)
+        row.update(last_eval)
+      if last and peak_device_memory() is not None:
+        row['peak_device_bytes'] = peak_device_memory()
+      metrics.write(step, row)
     bar.update(1)
-    if step % train.eval_every == 0 or step == train.steps:
-      last_eval = run_eval(step)
-    if step % train.checkpoint_every == 0 or step == train.steps:
+    if step % train.checkpoint_every == 0 or last:
+      save_start = time.perf_counter()
       checkpoints.save(step, state, batches.get_state())
+      paused += time.perf_counter() - save_start
+    if evaluating:   # the evaluation (and any save) just done stays out of the next interval
+      interval_start, paused = time.perf_counter(), 0.0
   bar.close()
   checkpoints.wait()
   checkpoints.close()
-
-  final = {**last_eval, 'peak_device_bytes': peak_device_memory()}
-  metrics.write(train.steps, {k: v for k, v in final.items() if v is not None})
   metrics.close()
-  if _is_main():
-    _print_sample(s, state, tokenizer)
+  _print_sample(s, state, tokenizer)
   return last_eval
 
 
+def _existing_checkpoints(s: Setup, workdir: str) -> tuple[Checkpointer | None, int | None]:
+  """The workdir's checkpoints and latest step, after checking they hold this model's shapes.
+  Creates nothing when the workdir has no checkpoints yet."""
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):
+    return None, None
+  checkpoints = Checkpointer(directory, keep=s.config.train.keep_checkpoints)
+  start = checkpoints.latest_step()
+  if start is not None:
+    checkpoints.check_shapes(start, s.layout.abstract)
+  return checkpoints, start
+
+
 def _print_sample(s: Setup, state, tokenizer) -> None:
+  """Every process runs the generation (the parameters span all of them); process 0 prints it."""
   sample = s.config.sample
   # No rules in context: a batch of one cannot be split over the data-parallel devices.
   tokens = generate(s.layout.graphdef, state['params'], tokenizer.encode(sample.prompt),
                     num_tokens=sample.length, window=s.config.train.seq_len,
-                    temperature=sample.temperature, seed=s.config.train.seed)
-  print(f'sample (prompt {sample.prompt!r}, temperature {sample.temperature}):')
-  print(tokenizer.decode(tokens))
+                    temperature=sample.temperature, seed=s.config.train.seed,
+                    vocab_limit=tokenizer.vocab_size)
+  if _is_main():
+    print(f'sample (prompt {sample.prompt!r}, temperature {sample.temperature}):')
+    print(tokenizer.decode(tokens))

@@ -11,8 +11,10 @@ from flax import nnx
 
 
 def generate(graphdef, params, prompt: np.ndarray, *, num_tokens: int, window: int,
-             temperature: float, seed: int) -> np.ndarray:
-  """Returns the prompt followed by up to `num_tokens` sampled tokens (fewer if the window fills)."""
+             temperature: float, seed: int, vocab_limit: int | None = None) -> np.ndarray:
+  """Returns the prompt followed by up to `num_tokens` sampled tokens (fewer if the window fills).
+
+  `vocab_limit`: sample only ids below it (a model whose vocabulary is larger than the tokenizer's)."""
   prompt = np.asarray(prompt, np.int32)[-(window - 1):]
   end = min(window, len(prompt) + num_tokens)
 
@@ -22,6 +24,8 @@ def generate(graphdef, params, prompt: np.ndarray, *, num_tokens: int, window: i
       buffer, key = carry
       key, sample_key = jax.random.split(key)
       logits = nnx.merge(graphdef, params)(buffer)[0, position - 1]
+      if vocab_limit is not None:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
       if temperature > 0:
         token = jax.random.categorical(sample_key, logits / temperature)
       else:

@@ -1,0 +1,39 @@
+"""Meshes and logical-axis rules."""
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from parallel.mesh import make_mesh, resolve_mesh_shape
+from parallel.rules import logical_rules, to_mesh_spec
+
+
+def test_minus_one_takes_the_devices_left_over():
+  assert resolve_mesh_shape({'data': -1, 'tensor': 2}, 8) == {'data': 4, 'fsdp': 1, 'tensor': 2}
+  assert resolve_mesh_shape({'data': 2, 'fsdp': 2, 'tensor': 2}, 8) == {'data': 2, 'fsdp': 2, 'tensor': 2}
+
+
+@pytest.mark.parametrize('mesh, message', [
+    ({'data': 3}, 'has 3 devices but 8 are available'),
+    ({'data': -1, 'tensor': 3}, 'fixed axes multiply to 3, which does not divide 8'),
+    ({'data': -1, 'fsdp': -1}, 'at most one axis may take the rest'),
+    ({'pipeline': 8}, "mesh axis 'pipeline' is not known"),
+    ({'data': 0}, 'a mesh size is a positive integer or -1'),
+])
+def test_bad_meshes_are_refused_with_the_value(mesh, message):
+  with pytest.raises(ValueError, match=message):
+    resolve_mesh_shape(mesh, 8)
+
+
+def test_make_mesh_names_every_axis():
+  mesh = make_mesh({'data': -1})
+  assert dict(mesh.shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
+
+
+def test_batch_splits_over_both_data_parallel_axes_and_params_replicate():
+  rules = logical_rules()
+  assert to_mesh_spec(('batch', 'length'), rules) == P(('data', 'fsdp'), None)
+  assert to_mesh_spec(('layers', 'embed', 'mlp'), rules) == P(None, None, None)
+
+
+def test_a_mesh_axis_is_used_once_per_spec():
+  rules = (('embed', 'fsdp'), ('mlp', ('fsdp', 'tensor')))
+  assert to_mesh_spec(('embed', 'mlp'), rules) == P('fsdp', 'tensor')
