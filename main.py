@@ -22,20 +22,35 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, report i
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-host: host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-host: number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index.')
+_COORDINATOR_TIMEOUT = flags.DEFINE_integer('coordinator_timeout', 300, 'Multi-host: seconds to wait '
+                                            'for every process to reach the coordinator.')
 
 
-def _init_jax() -> None:
+def _init_jax(config) -> None:
   """Device simulation and multi-host set-up; both must happen before JAX touches a backend."""
   import jax
-  if _HOST_DEVICES.value is not None:
-    if _HOST_DEVICES.value < 1:
-      sys.exit(f'error: --host_devices={_HOST_DEVICES.value}; it must be a positive integer')
-    jax.config.update('jax_num_cpu_devices', _HOST_DEVICES.value)
-  if _COORDINATOR.value or _NUM_PROCESSES.value:
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  elif _launched_as_several_tasks():
-    jax.distributed.initialize()   # JAX reads the coordinator and ranks from SLURM / Open MPI
+  host_devices = _HOST_DEVICES.value if _HOST_DEVICES.value is not None else config.get('host_devices', 0)
+  if not isinstance(host_devices, int) or host_devices < 0 or _HOST_DEVICES.value == 0:
+    sys.exit(f'error: host_devices={host_devices!r}; it must be a positive integer')
+  if host_devices:
+    # Only the CPU backend reads this: on a GPU machine jax.devices() is still the GPUs.
+    jax.config.update('jax_num_cpu_devices', host_devices)
+  explicit = bool(_COORDINATOR.value or _NUM_PROCESSES.value)
+  if not (explicit or _launched_as_several_tasks()):
+    return
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')   # CPU processes talk over TCP
+  where = _COORDINATOR.value or 'the address SLURM / Open MPI gives'
+  try:
+    if explicit:
+      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+                                 initialization_timeout=_COORDINATOR_TIMEOUT.value)
+    else:   # JAX reads the coordinator and the ranks from SLURM / Open MPI
+      jax.distributed.initialize(initialization_timeout=_COORDINATOR_TIMEOUT.value)
+  except Exception as e:  # JAX raises several types here; all mean the same to the user
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    sys.exit(f'error: could not join the processes at coordinator {where} within '
+             f'--coordinator_timeout={_COORDINATOR_TIMEOUT.value} s: {first_line}')
 
 
 def _launched_as_several_tasks() -> bool:
@@ -122,7 +137,7 @@ def main(argv):
   if len(argv) > 1:
     sys.exit(f'error: unexpected arguments {argv[1:]}; config values are set as --config.key=value')
   logging.set_verbosity(logging.WARNING)  # orbax narrates every save at INFO
-  _init_jax()
+  _init_jax(_CONFIG.value)
   from data import DataError
   from train import checks, run
   from train.checkpoint import CheckpointError

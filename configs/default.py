@@ -15,8 +15,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   shape = presets.train_shape(preset)
   config = ml_collections.ConfigDict()
   config.name = f'default:{preset}'
+  config.description = 'one device (or data parallel over all of them)'
   config.model = presets.model(preset)
-  config.precision = 'fp32'               # fp32 | bf16_mixed | bf16 | fp16
+  config.model.remat = shape['remat']     # none | full | dots | qkv
+  config.precision = shape['precision']   # fp32 | bf16_mixed | bf16 | fp16
 
   config.train = dict(
       steps=shape['steps'],
@@ -29,7 +31,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       b1=0.9,
       b2=0.95,
       grad_clip=1.0,                      # global-norm clipping
-      microbatches=1,                     # gradient accumulation
+      microbatches=shape['microbatches'], # gradient accumulation
       log_every=10,
       eval_every=0,                       # set below, from steps
       eval_batches=8,
@@ -48,7 +50,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       val_fraction=0.05,
   )
   config.mesh = dict(data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
-  config.parallel = dict(zero_stage=0)
+  config.parallel = dict(zero_stage=0)      # 0 DDP, 1-3 ZeRO stages over the fsdp axis
+  config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
   config.quant = dict(mode='none')
   config.sample = dict(prompt='def ', length=200, temperature=0.8)
   return config

@@ -24,15 +24,20 @@ MODELS = {
                 head_dim=128, mlp_dim=28672, max_seq_len=4096, tie_embeddings=False),
 }
 
-# The training shape each preset runs at by default: (global batch in sequences, sequence length,
-# steps, peak learning rate). Overridable with --config.train.*.
+# How each preset trains by default: global batch in sequences, sequence length, microbatches,
+# steps, peak learning rate, precision and remat. The large presets are set for 8 GPUs (70b: 64):
+# bf16 compute with fp32 master weights, full remat, and one sequence per device per microbatch.
+# Everything is overridable with --config.*.
 TRAIN_SHAPES = {
-    'tiny': dict(batch_size=8, seq_len=64, steps=60, learning_rate=3e-3),
-    'small': dict(batch_size=16, seq_len=128, steps=500, learning_rate=2e-3),
-    '100m': dict(batch_size=32, seq_len=512, steps=2000, learning_rate=6e-4),
-    '1b': dict(batch_size=64, seq_len=2048, steps=10000, learning_rate=3e-4),
-    '7b': dict(batch_size=256, seq_len=4096, steps=10000, learning_rate=3e-4),
-    '70b': dict(batch_size=512, seq_len=4096, steps=10000, learning_rate=1.5e-4),
+    'tiny': dict(batch_size=8, seq_len=64, microbatches=1, steps=60, learning_rate=3e-3),
+    'small': dict(batch_size=16, seq_len=128, microbatches=1, steps=500, learning_rate=2e-3),
+    '100m': dict(batch_size=32, seq_len=512, microbatches=1, steps=2000, learning_rate=6e-4),
+    '1b': dict(batch_size=64, seq_len=2048, microbatches=8, steps=10000, learning_rate=3e-4,
+               precision='bf16_mixed', remat='full'),
+    '7b': dict(batch_size=32, seq_len=4096, microbatches=4, steps=10000, learning_rate=3e-4,
+               precision='bf16_mixed', remat='full'),
+    '70b': dict(batch_size=256, seq_len=4096, microbatches=4, steps=10000, learning_rate=1.5e-4,
+                precision='bf16_mixed', remat='full'),
 }
 
 
@@ -45,4 +50,4 @@ def model(name: str) -> dict:
 
 def train_shape(name: str) -> dict:
   model(name)
-  return dict(TRAIN_SHAPES[name])
+  return {'precision': 'fp32', 'remat': 'none', **TRAIN_SHAPES[name]}

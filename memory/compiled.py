@@ -2,6 +2,11 @@
 GiB = 2.0**30
 
 
+def format_bytes(n: float) -> str:
+  """GiB at 1 GiB and above, MiB below, so small and large figures both read."""
+  return f'{n / GiB:,.2f} GiB' if n >= GiB else f'{n / 2**20:,.1f} MiB'
+
+
 def compiled_memory(compiled) -> dict:
   """arguments, outputs, aliased (donated), temp and total bytes on one device.
 

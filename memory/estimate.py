@@ -1,12 +1,16 @@
 """Analytic per-device memory of a train step: parameters, gradients, optimizer state, activations.
 
 A first model, stated so it can be checked against the compiler (memory.json holds both):
-- parameters are stored in the policy's param dtype, replicated on every device (data parallel);
-- gradients have the parameters' size and dtype (they are accumulated in it);
-- AdamW keeps two moments of the same size and dtype;
+- parameters are stored in the policy's param dtype, split `tensor` ways (tensor parallelism
+  splits every matmul weight and the vocabulary; the norm scales it does not split are negligible)
+  and `fsdp` ways under ZeRO-3;
+- gradients have the parameters' size and dtype (they are accumulated in it), split `fsdp` ways
+  under ZeRO-2 and 3;
+- AdamW keeps two moments of the same size and dtype, split `fsdp` ways under ZeRO-1, 2 and 3;
 - activations: what the backward pass keeps for one microbatch on one device, per layer, given the
   remat policy, plus the fp32 logits, their softmax and gradient, and one layer's working set that
-  is rebuilt during the backward pass when remat is on.
+  is rebuilt during the backward pass when remat is on. Tensor parallelism splits the attention
+  and MLP activations and the logits; the residual stream stays whole.
 """
 import dataclasses
 
@@ -20,9 +24,13 @@ FP32 = 4
 class StepShape:
   rows_per_device: int   # sequences in one microbatch on one device
   seq_len: int
-  param_shards: int = 1  # devices a parameter is split over
-  grad_shards: int = 1
-  optimizer_shards: int = 1
+  fsdp: int = 1          # size of the mesh's fsdp axis
+  tensor: int = 1        # size of the mesh's tensor axis
+  zero_stage: int = 0
+
+  def shards(self, from_stage: int) -> int:
+    """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
+    return self.tensor * (self.fsdp if self.zero_stage >= from_stage else 1)
 
 
 def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int) -> dict[str, float]:
@@ -41,16 +49,17 @@ def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int) ->
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   tokens = shape.rows_per_device * shape.seq_len
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len)
+  saved = {k: v if k == 'residual_and_norms' else v / shape.tensor for k, v in saved.items()}
   full_layer = sum(saved.values())
   carry = cfg.d_model * policy.compute_bytes              # the residual stream between layers
   kept_by_policy = {
       'none': full_layer,
       'full': carry,
-      'dots': carry + saved['qkv'] / 2 + saved['attention_out'] + 3 * cfg.mlp_dim * policy.compute_bytes,
+      'dots': carry + (saved['qkv'] + saved['attention_out'] + saved['mlp']) * 3 / 4,
       'qkv': carry + saved['qkv'] / 2,
   }[cfg.remat]
   rebuilt = 0 if cfg.remat == 'none' else full_layer       # one layer recomputed at a time
-  logits = 3 * cfg.vocab_size * FP32                       # logits, softmax, their gradient
+  logits = 3 * cfg.vocab_size * FP32 / shape.tensor        # logits, softmax, their gradient
   return tokens * (cfg.num_layers * kept_by_policy + rebuilt + logits)
 
 
@@ -58,9 +67,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, fl
   n = cfg.num_params
   p = policy.param_bytes
   parts = {
-      'params': n * p / shape.param_shards,
-      'grads': n * p / shape.grad_shards,
-      'optimizer': 2 * n * p / shape.optimizer_shards,
+      'params': n * p / shape.shards(from_stage=3),
+      'grads': n * p / shape.shards(from_stage=2),
+      'optimizer': 2 * n * p / shape.shards(from_stage=1),
       'activations': activation_bytes(cfg, policy, shape),
   }
   parts = {k: int(v) for k, v in parts.items()}

@@ -1,30 +1,64 @@
-"""Logical-axis rules: the table that turns logical names into mesh axes.
+"""Logical-axis rules: the tables that turn logical names into mesh axes.
 
-A parallel strategy is one of these tables; the model code never changes. A logical name mapped
-to None is replicated; a name absent from the table is replicated too.
+A parallel layout is a mesh shape plus these tables; the model code never changes. The tables are
+the same for every layout: an axis of size 1 shards nothing, so DDP is simply a mesh whose `fsdp`
+and `tensor` axes are 1. What the ZeRO stage decides is *which table each part of the train state
+uses*: replicated over `fsdp` (every data-parallel device holds it whole) or sharded over `fsdp`
+(each holds 1/N).
+
+| zero_stage | parameters | gradients | optimizer state |
+|---|---|---|---|
+| 0 (DDP) | replicated | replicated (all-reduce) | replicated |
+| 1 | replicated | replicated (all-reduce) | sharded |
+| 2 | replicated | sharded (reduce-scatter) | sharded |
+| 3 (FSDP) | sharded (all-gathered where used) | sharded (reduce-scatter) | sharded |
+
+Tensor parallelism (Megatron style) is in every table: attention heads and the MLP hidden
+dimension are split over `tensor` (column-parallel in, row-parallel out), and so is the vocabulary
+of the embedding and the logits.
 """
+import dataclasses
+
 from jax.sharding import PartitionSpec
 
-# Activations: the batch is split over every data-parallel axis.
-ACTIVATION_RULES = (
-    ('batch', ('data', 'fsdp')),
-    ('length', None),
+ZERO_STAGES = (0, 1, 2, 3)
+
+TENSOR_PARALLEL = (
+    ('vocab', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('mlp', 'tensor'),
 )
 
-# Parameters of a replicated (data-parallel) model.
-REPLICATED_PARAM_RULES = (
-    ('vocab', None),
-    ('embed', None),
-    ('heads', None),
-    ('kv_heads', None),
-    ('head_dim', None),
-    ('mlp', None),
-    ('layers', None),
-)
+# Activations: the batch is split over every data-parallel axis (FSDP is data parallel too).
+ACTIVATIONS = (('batch', ('data', 'fsdp')),) + TENSOR_PARALLEL
+
+# State that each data-parallel device holds whole.
+REPLICATED = TENSOR_PARALLEL
+
+# State split over `fsdp`: every weight has an `embed` dimension (norm scales are only that), and
+# d_model divides evenly far more often than the other dimensions.
+SHARDED = (('embed', 'fsdp'),) + TENSOR_PARALLEL
 
 
-def logical_rules() -> tuple:
-  return ACTIVATION_RULES + REPLICATED_PARAM_RULES
+@dataclasses.dataclass(frozen=True)
+class LayoutRules:
+  activations: tuple
+  params: tuple
+  grads: tuple
+  optimizer: tuple
+
+
+def layout_rules(zero_stage: int) -> LayoutRules:
+  if zero_stage not in ZERO_STAGES:
+    raise ValueError(f'parallel.zero_stage={zero_stage!r}; allowed: 0 (DDP), 1 (optimizer state '
+                     f'sharded), 2 (+ gradients), 3 (+ parameters, FSDP)')
+  return LayoutRules(
+      activations=ACTIVATIONS,
+      params=SHARDED if zero_stage >= 3 else REPLICATED,
+      grads=SHARDED if zero_stage >= 2 else REPLICATED,
+      optimizer=SHARDED if zero_stage >= 1 else REPLICATED,
+  )
 
 
 def to_mesh_spec(logical_axes, rules) -> PartitionSpec:

@@ -1,4 +1,6 @@
-"""Shardings for pytrees of annotated parameters, and for batches."""
+"""Shardings for pytrees of annotated parameters, and for batches; divisibility checks."""
+import math
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -12,12 +14,31 @@ def logical_axes(variable) -> tuple:
   return tuple(names) + (None,) * (variable.ndim - len(names))
 
 
-def param_shardings(abstract_state, mesh: Mesh, rules):
-  """NamedSharding per leaf of an nnx State of annotated Variables."""
-  def one(variable):
-    return NamedSharding(mesh, to_mesh_spec(logical_axes(variable), rules))
-  specs = jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.to_pure_dict(specs) if isinstance(abstract_state, nnx.State) else specs
+def logical_axes_tree(abstract_state):
+  """Pure-dict tree of logical axis tuples, one per annotated Variable."""
+  axes = jax.tree.map(logical_axes, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+
+
+def shardings_for(axes_tree, mesh: Mesh, rules):
+  """NamedSharding per leaf of a tree of logical axis tuples."""
+  return jax.tree.map(lambda axes: NamedSharding(mesh, to_mesh_spec(axes, rules)), axes_tree,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def check_divisible(shapes, shardings, what: str) -> None:
+  """ValueError naming the first array dimension that its mesh axes do not divide."""
+  flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  flat_shardings = jax.tree.leaves(shardings)
+  for (path, leaf), sharding in zip(flat_shapes, flat_shardings):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = math.prod(sharding.mesh.shape[a] for a in axes)
+      if size % ways:
+        name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+        raise ValueError(f'{what} {name} has dimension {dim} of size {size}, which the mesh axes '
+                         f'{" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = {ways} '
+                         f'do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

@@ -3,7 +3,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from parallel.mesh import make_mesh, resolve_mesh_shape
-from parallel.rules import logical_rules, to_mesh_spec
+from parallel.rules import layout_rules, to_mesh_spec
 
 
 def test_minus_one_takes_the_devices_left_over():
@@ -28,10 +28,29 @@ def test_make_mesh_names_every_axis():
   assert dict(mesh.shape) == {'data': 8, 'fsdp': 1, 'tensor': 1}
 
 
-def test_batch_splits_over_both_data_parallel_axes_and_params_replicate():
-  rules = logical_rules()
-  assert to_mesh_spec(('batch', 'length'), rules) == P(('data', 'fsdp'), None)
-  assert to_mesh_spec(('layers', 'embed', 'mlp'), rules) == P(None, None, None)
+def test_batch_splits_over_both_data_parallel_axes():
+  assert to_mesh_spec(('batch', 'length'), layout_rules(0).activations) == P(('data', 'fsdp'), None)
+
+
+@pytest.mark.parametrize('stage, sharded', [
+    (0, ()), (1, ('optimizer',)), (2, ('optimizer', 'grads')), (3, ('optimizer', 'grads', 'params'))])
+def test_each_zero_stage_shards_what_it_promises_over_fsdp(stage, sharded):
+  rules = layout_rules(stage)
+  for part in ('params', 'grads', 'optimizer'):
+    spec = to_mesh_spec(('layers', 'embed', 'mlp'), getattr(rules, part))
+    assert spec == (P(None, 'fsdp', 'tensor') if part in sharded else P(None, None, 'tensor')), part
+
+
+def test_tensor_parallel_splits_heads_mlp_and_vocabulary():
+  rules = layout_rules(0).params
+  assert to_mesh_spec(('embed', 'heads', 'head_dim'), rules) == P(None, 'tensor', None)
+  assert to_mesh_spec(('heads', 'head_dim', 'embed'), rules) == P('tensor', None, None)
+  assert to_mesh_spec(('vocab', 'embed'), rules) == P('tensor', None)
+
+
+def test_an_unknown_zero_stage_is_refused():
+  with pytest.raises(ValueError, match='parallel.zero_stage=4; allowed: 0'):
+    layout_rules(4)
 
 
 def test_a_mesh_axis_is_used_once_per_spec():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from parallel.mesh import make_mesh
-from parallel.rules import logical_rules
+from parallel.rules import layout_rules
 from quant.precision import get_policy
 from tests.helpers import random_tokens, tiny_config
 from train import checks
@@ -18,7 +18,7 @@ def make(config, devices=1):
   model, policy = checks.model_config(config), checks.policy(config)
   mesh = make_mesh({'data': devices}, jax.devices()[:devices])
   tx = make_optimizer(config.train)
-  layout = state_layout(model, policy, tx, mesh, logical_rules(), config.train.seed)
+  layout = state_layout(model, policy, tx, mesh, layout_rules(0), config.train.seed)
   step = jax.jit(make_train_step(layout.graphdef, tx, policy, config.train.microbatches))
   return layout, step
 

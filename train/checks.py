@@ -1,10 +1,10 @@
 """Config validation: every bad value gets one line naming it and what is allowed, before any
 compile and before anything in the workdir is touched."""
 from models.config import ModelConfig
+from parallel.rules import ZERO_STAGES
 from quant.precision import Policy, get_policy
 
 QUANT_MODES = ('none',)
-ZERO_STAGES = (0,)
 
 
 class ConfigError(ValueError):
@@ -67,7 +67,7 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   if config.quant.mode not in QUANT_MODES:
     raise ConfigError(f'quant.mode={config.quant.mode!r}; allowed: {", ".join(QUANT_MODES)}')
   if config.parallel.zero_stage not in ZERO_STAGES:
-    raise ConfigError(f'parallel.zero_stage={config.parallel.zero_stage!r}; allowed: '
-                      f'{", ".join(map(str, ZERO_STAGES))}')
+    raise ConfigError(f'parallel.zero_stage={config.parallel.zero_stage!r}; allowed: 0 (DDP), '
+                      f'1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, FSDP)')
   if not 0 < config.data.val_fraction <= 0.5:
     raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')

@@ -13,11 +13,12 @@ from flax import linen
 from tqdm import tqdm
 
 import data as data_lib
-from memory.compiled import GiB, compiled_memory, peak_device_memory
+from memory.compiled import compiled_memory, format_bytes, peak_device_memory
 from memory.estimate import StepShape, estimate
 from models.config import ModelConfig
+from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
-from parallel.rules import logical_rules
+from parallel.rules import layout_rules
 from parallel.sharding import batch_sharding, replicated
 from quant.precision import Policy
 from train import checks
@@ -36,7 +37,7 @@ class Setup:
   model: ModelConfig
   policy: Policy
   mesh: jax.sharding.Mesh
-  rules: tuple
+  rules: object             # parallel.rules.LayoutRules
   layout: StateLayout
   train_step: object        # jitted, with shardings and donation
   batch_sharding: jax.sharding.NamedSharding
@@ -45,7 +46,7 @@ class Setup:
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(self.mesh))
-    stack.enter_context(linen.logical_axis_rules(self.rules))
+    stack.enter_context(linen.logical_axis_rules(self.rules.activations))
     return stack
 
 
@@ -63,11 +64,15 @@ def setup(config) -> Setup:
   checks.check_config(config, data_parallel=data_parallel_size(mesh),
                       process_count=jax.process_count(),
                       tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
-  rules = logical_rules()
+  rules = layout_rules(config.parallel.zero_stage)
   tx = make_optimizer(config.train)
-  layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
-  step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches)
-  tokens_sharding = batch_sharding(mesh, rules)
+  try:
+    layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
+  except ValueError as e:
+    raise checks.ConfigError(str(e)) from None
+  step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
+                            layout.grad_shardings)
+  tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
@@ -85,11 +90,15 @@ def compile_train_step(s: Setup):
 def memory_report(s: Setup, compiled) -> dict:
   train = s.config.train
   rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
+  shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
+                    zero_stage=s.config.parallel.zero_stage)
   return {
       'num_params': s.model.num_params,
       'mesh': dict(s.mesh.shape),
+      'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
-      'estimate_bytes': estimate(s.model, s.policy, StepShape(rows, train.seq_len)),
+      'estimate_bytes': estimate(s.model, s.policy, shape),
+      'collectives_per_step': collective_stats(compiled.as_text()),
   }
 
 
@@ -103,11 +112,18 @@ def print_summary(s: Setup, memory: dict) -> None:
         f'mesh {dict(s.mesh.shape)}')
   print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
         f'd_model {s.model.d_model}, remat {s.model.remat}')
-  print(f'memory      per device: compiled {compiled["total"] / GiB:.3f} GiB (arguments '
-        f'{compiled["arguments"] / GiB:.3f}, temp {compiled["temp"] / GiB:.3f}); estimate '
-        f'{estimated["total"] / GiB:.3f} GiB (params {estimated["params"] / GiB:.3f}, grads '
-        f'{estimated["grads"] / GiB:.3f}, optimizer {estimated["optimizer"] / GiB:.3f}, '
-        f'activations {estimated["activations"] / GiB:.3f})')
+  print(f'layout      zero_stage {s.config.parallel.zero_stage}; batch {s.config.train.batch_size} '
+        f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
+  b = format_bytes
+  print(f'memory      per device, compiled: {b(compiled["total"])} = arguments '
+        f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
+        f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
+  print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
+        f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
+        f'{b(estimated["activations"])}')
+  active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
+  print('collectives ' + ('; '.join(f'{k} {v["count"]} x {b(v["bytes"])}' for k, v in active.items())
+                          or 'none') + ' per step per device')
 
 
 def _write_json(path: str, value) -> None:

@@ -14,7 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import ModelConfig, Transformer
-from parallel.sharding import param_shardings, replicated
+from parallel.rules import LayoutRules
+from parallel.sharding import check_divisible, logical_axes_tree, replicated, shardings_for
 from quant.loss_scale import init_loss_scale
 from quant.precision import Policy
 
@@ -24,6 +25,7 @@ class StateLayout:
   graphdef: Any            # the model's structure (nnx), merged with `params` to run it
   abstract: Any            # ShapeDtypeStruct tree of the train state, each with its sharding
   shardings: Any           # NamedSharding tree of the train state
+  grad_shardings: Any      # where the gradients live (ZeRO-2 and up: sharded like the optimizer)
   init: Callable[[], Any]  # jitted: creates the state already sharded
 
 
@@ -32,10 +34,17 @@ def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transforme
 
 
 def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTransformation,
-                 mesh: Mesh, rules, seed: int) -> StateLayout:
+                 mesh: Mesh, rules: LayoutRules, seed: int) -> StateLayout:
+  """Raises ValueError naming a parameter dimension that the mesh does not divide."""
   abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, policy, seed))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-  params_sharding = param_shardings(abstract_params, mesh, rules)
+  axes = logical_axes_tree(abstract_params)
+  params_sharding = shardings_for(axes, mesh, rules.params)
+  grad_sharding = shardings_for(axes, mesh, rules.grads)
+  moment_sharding = shardings_for(axes, mesh, rules.optimizer)
+  shapes = nnx.to_pure_dict(abstract_params)
+  for what, sharding in (('parameter', params_sharding), ('optimizer state of', moment_sharding)):
+    check_divisible(shapes, sharding, what)
 
   def init():
     graphdef_, params = nnx.split(build_model(model_cfg, policy, seed), nnx.Param)
@@ -46,10 +55,11 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
   abstract = jax.eval_shape(init)
   whole = replicated(mesh)
   opt_sharding = optax.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract['opt_state'], params_sharding,
+      tx, lambda _, sharding: sharding, abstract['opt_state'], moment_sharding,
       transform_non_params=lambda _: whole)
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
-  return StateLayout(graphdef, abstract, shardings, jax.jit(init, out_shardings=shardings))
+  return StateLayout(graphdef, abstract, shardings, grad_sharding,
+                     jax.jit(init, out_shardings=shardings))

@@ -30,7 +30,13 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   return jax.tree.map(split, batch)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int):
+def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
+                    grad_shardings=None):
+  """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
+  the data-parallel sum becomes a reduce-scatter and each device keeps only its slice."""
+
+  def place(grads):
+    return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
   def train_step(state: dict, batch: dict):
     params = state['params']
@@ -45,9 +51,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     def accumulate(carry, microbatch):
       grad_sum, loss_sum = carry
       (_, loss), grads = grad_fn(params, microbatch)
-      return (jax.tree.map(jnp.add, grad_sum, grads), loss_sum + loss), None
+      return (place(jax.tree.map(jnp.add, grad_sum, place(grads))), loss_sum + loss), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = place(jax.tree.map(jnp.zeros_like, params))
     (grad_sum, loss_sum), _ = jax.lax.scan(
         accumulate, (zeros, jnp.zeros((), jnp.float32)), split_microbatches(batch, microbatches))
     grads = jax.tree.map(lambda g: g / (microbatches * scale), grad_sum)

@@ -1,0 +1,105 @@
+"""Collectives in a compiled program: how many run per step and how many bytes they move.
+
+Read off the optimized HLO text. An op inside a loop body (the scanned layers, the microbatch
+loop) runs once per iteration, so counts are multiplied by the loops' known trip counts.
+
+Bytes are per device and per execution, measured on the full (unsharded-side) buffer of the op:
+the gathered result of an all-gather, the input of a reduce-scatter (its result x group size), the
+buffer of an all-reduce, all-to-all or collective-permute.
+"""
+import collections
+import math
+import re
+
+KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
+
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
+                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION = re.compile(r'=\s*(.+?)\s+(' + '|'.join(KINDS) + r')(-start)?\(')
+_ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]')
+_WHILE = re.compile(r'\swhile\(.*body=%?([\w.\-]+)')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r'(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+
+
+def _array_bytes(type_text: str) -> list[int]:
+  sizes = []
+  for dtype, dims in _ARRAY.findall(type_text):
+    width = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith('f8') or dtype.startswith('s4') else 4)
+    sizes.append(width * math.prod(int(d) for d in dims.split(',') if d))
+  return sizes
+
+
+def _group_size(line: str) -> int:
+  """Devices in one replica group, from any of the HLO spellings of replica_groups."""
+  named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if named:
+    sizes = dict((k.strip("' "), int(v)) for k, v in
+                 (item.split('=') for item in named.group(1).split(',')))
+    return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(',') if a.strip())
+  iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=', line)
+  if iota:
+    return int(iota.group(2))
+  explicit = re.search(r'replica_groups=\{\{([\d,]*)\}', line)
+  if explicit:
+    return len([d for d in explicit.group(1).split(',') if d])
+  return 1
+
+
+def _parse(hlo_text: str):
+  """computation name -> (its own collectives, [(called computation, times)]), and the entry."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line) if line[:1] not in ' \t' else None
+    if header:
+      current = header.group(1)
+      computations[current] = ([], [])
+      if line.startswith('ENTRY'):
+        entry = current
+      continue
+    if current is None:
+      continue
+    own, calls = computations[current]
+    op = _INSTRUCTION.search(line)
+    if op:
+      type_text, kind, started = op.groups()
+      sizes = _array_bytes(type_text)
+      size = max(sizes) if started else sum(sizes)
+      if kind == 'reduce-scatter':
+        size *= _group_size(line)
+      own.append((kind, size))
+    loop = _WHILE.search(line)
+    if loop:
+      trips = _TRIP_COUNT.search(line)
+      calls.append((loop.group(1), int(trips.group(1)) if trips else 1))
+    calls.extend((name, 1) for name in _CALLED.findall(line))
+    for branches in _BRANCHES.findall(line):
+      calls.extend((b.strip().lstrip('%'), 1) for b in branches.split(',') if b.strip())
+  return computations, entry
+
+
+def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{'all-gather': {'count': n, 'bytes': b}, ...} executed per step, for every kind in KINDS."""
+  computations, entry = _parse(hlo_text)
+  memo: dict[str, collections.Counter] = {}
+
+  def total(name: str, depth: int = 0) -> collections.Counter:
+    if name in memo:
+      return memo[name]
+    counts = collections.Counter()
+    if name in computations and depth < 64:
+      own, calls = computations[name]
+      for kind, size in own:
+        counts[(kind, 'count')] += 1
+        counts[(kind, 'bytes')] += size
+      for child, times in calls:
+        for key, value in total(child, depth + 1).items():
+          counts[key] += times * value
+    memo[name] = counts
+    return counts
+
+  counts = total(entry) if entry else collections.Counter()
+  return {kind: {'count': counts[(kind, 'count')], 'bytes': counts[(kind, 'bytes')]}
+          for kind in KINDS}
