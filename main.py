@@ -35,29 +35,14 @@ def _init_jax(config) -> None:
   if host_devices:
     # Only the CPU backend reads this: on a GPU machine jax.devices() is still the GPUs.
     jax.config.update('jax_num_cpu_devices', host_devices)
-  explicit = bool(_COORDINATOR.value or _NUM_PROCESSES.value)
-  if not (explicit or _launched_as_several_tasks()):
+  from parallel import distributed
+  if not (_COORDINATOR.value or _NUM_PROCESSES.value or distributed.launched_as_several_tasks()):
     return
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')   # CPU processes talk over TCP
-  where = _COORDINATOR.value or 'the address SLURM / Open MPI gives'
   try:
-    if explicit:
-      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                                 num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
-                                 initialization_timeout=_COORDINATOR_TIMEOUT.value)
-    else:   # JAX reads the coordinator and the ranks from SLURM / Open MPI
-      jax.distributed.initialize(initialization_timeout=_COORDINATOR_TIMEOUT.value)
-  except Exception as e:  # JAX raises several types here; all mean the same to the user
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    sys.exit(f'error: could not join the processes at coordinator {where} within '
-             f'--coordinator_timeout={_COORDINATOR_TIMEOUT.value} s: {first_line}')
-
-
-def _launched_as_several_tasks() -> bool:
-  for variable in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE'):
-    if int(os.environ.get(variable, '1') or 1) > 1:
-      return True
-  return False
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           _COORDINATOR_TIMEOUT.value)
+  except distributed.CoordinatorError as e:
+    sys.exit(f'error: {e}')
 
 
 def _load_config_file(spec: str):

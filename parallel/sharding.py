@@ -26,19 +26,21 @@ def shardings_for(axes_tree, mesh: Mesh, rules):
                       is_leaf=lambda x: isinstance(x, tuple))
 
 
-def check_divisible(shapes, shardings, what: str) -> None:
-  """ValueError naming the first array dimension that its mesh axes do not divide."""
+def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
+  """ValueError naming the first array dimension (and its logical axis) that its mesh axes do
+  not divide."""
   flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
   flat_shardings = jax.tree.leaves(shardings)
-  for (path, leaf), sharding in zip(flat_shapes, flat_shardings):
+  flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+  for (path, leaf), sharding, logical in zip(flat_shapes, flat_shardings, flat_axes):
     for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
       axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
       ways = math.prod(sharding.mesh.shape[a] for a in axes)
       if size % ways:
         name = '/'.join(str(getattr(k, 'key', k)) for k in path)
-        raise ValueError(f'{what} {name} has dimension {dim} of size {size}, which the mesh axes '
-                         f'{" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = {ways} '
-                         f'do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')
+        raise ValueError(f'{what} {name} dimension {dim} ({logical[dim]}) of size {size}, which the '
+                         f'mesh axes {" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = '
+                         f'{ways} do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:

@@ -54,11 +54,11 @@ def _is_main() -> bool:
   return jax.process_index() == 0
 
 
-def setup(config) -> Setup:
-  """Validate and lay out everything; allocates nothing."""
+def setup(config, devices=None) -> Setup:
+  """Validate and lay out everything; allocates nothing. `devices`: default all of them."""
   model, policy = checks.model_config(config), checks.policy(config)
   try:
-    mesh = make_mesh(dict(config.mesh))
+    mesh = make_mesh(dict(config.mesh), devices)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   checks.check_config(config, data_parallel=data_parallel_size(mesh),

@@ -44,7 +44,7 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
   moment_sharding = shardings_for(axes, mesh, rules.optimizer)
   shapes = nnx.to_pure_dict(abstract_params)
   for what, sharding in (('parameter', params_sharding), ('optimizer state of', moment_sharding)):
-    check_divisible(shapes, sharding, what)
+    check_divisible(shapes, sharding, axes, what)
 
   def init():
     graphdef_, params = nnx.split(build_model(model_cfg, policy, seed), nnx.Param)

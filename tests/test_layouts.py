@@ -1,0 +1,157 @@
+"""Every parallel layout on 8 simulated devices: same losses as one device, the promised shardings,
+and the memory each ZeRO stage promises."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from configs.layouts import LAYOUTS, layout_config
+from tests.helpers import random_tokens, tiny_config
+from train import checks, run
+
+# Wide enough that every dimension divides 8 fsdp ways and 4 tensor ways.
+SHAPE = {'model.d_model': 64, 'model.num_heads': 4, 'model.num_kv_heads': 4, 'model.mlp_dim': 128,
+         'train.batch_size': 8, 'train.seq_len': 16}
+
+
+def config_for(layout: str, **overrides):
+  config = layout_config(layout, 'tiny')
+  for key, value in {**SHAPE, **overrides}.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def batches(n=3):
+  for i in range(n):
+    tokens = random_tokens((8, 17), seed=i)
+    yield {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+
+
+def losses(config, devices=None) -> list[float]:
+  s = run.setup(config, devices)
+  state, out = s.layout.init(), []
+  for batch in batches():
+    with s.context():
+      state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
+                                            for k, v in batch.items()})
+    out.append(float(metrics['loss']))
+  return out, s
+
+
+@pytest.fixture(scope='module')
+def single_device_losses():
+  out, s = losses(config_for('ddp'), devices=jax.devices()[:1])
+  assert s.mesh.size == 1
+  return out
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_first_three_losses_equal_the_single_device_run(layout, single_device_losses):
+  got, s = losses(config_for(layout))
+  assert s.mesh.size == 8
+  np.testing.assert_allclose(got, single_device_losses, rtol=1e-5, atol=1e-6)
+
+
+# (parameter spec, Adam moment spec) of the stacked MLP gate kernel [layers, embed, mlp]. The rule
+# tables are the same for every layout, so `mlp` always names `tensor`: where that axis has size 1
+# (every layout but tp and fsdp_tp) it splits nothing.
+EXPECTED_GATE_SPECS = {
+    'ddp': (P(None, None, 'tensor'), P(None, None, 'tensor')),
+    'zero1': (P(None, None, 'tensor'), P(None, 'fsdp', 'tensor')),
+    'zero2': (P(None, None, 'tensor'), P(None, 'fsdp', 'tensor')),
+    'fsdp': (P(None, 'fsdp', 'tensor'), P(None, 'fsdp', 'tensor')),
+    'tp': (P(None, None, 'tensor'), P(None, None, 'tensor')),
+    'fsdp_tp': (P(None, 'fsdp', 'tensor'), P(None, 'fsdp', 'tensor')),
+}
+
+
+def _normalise(spec):
+  """Drop trailing Nones, so P(None, 'fsdp') and P(None, 'fsdp', None) compare equal."""
+  parts = list(spec)
+  while parts and parts[-1] is None:
+    parts.pop()
+  return P(*parts)
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_parameter_and_optimizer_state_shardings_are_the_expected_specs(layout):
+  config = config_for(layout, **{'train.steps': 1})
+  s = run.setup(config)
+  state = s.layout.init()
+  param_spec, moment_spec = EXPECTED_GATE_SPECS[layout]
+  gate = state['params']['blocks']['mlp']['gate']['kernel']
+  adam = state['opt_state'][1][0]   # chain(clip, adamw = chain(scale_by_adam, ...))
+  assert _normalise(gate.sharding.spec) == _normalise(param_spec)
+  tensor_ways = s.mesh.shape['tensor']
+  assert gate.addressable_shards[0].data.shape[2] == gate.shape[2] // tensor_ways
+  assert _normalise(adam.mu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
+  assert _normalise(adam.nu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
+  embedding = state['params']['embedding'].sharding.spec
+  expected_embedding = P('tensor', 'fsdp' if layout in ('fsdp', 'fsdp_tp') else None)
+  assert _normalise(embedding) == _normalise(expected_embedding)
+
+
+def compiled_bytes(layout: str) -> dict:
+  # Parameters dominate: a wide model, a short batch.
+  config = config_for(layout, **{'model.d_model': 256, 'model.mlp_dim': 1024, 'model.num_heads': 8,
+                                 'model.num_kv_heads': 4, 'model.head_dim': 32,
+                                 'train.batch_size': 16, 'train.seq_len': 16, 'train.microbatches': 2})
+  s = run.setup(config)
+  return run.memory_report(s, run.compile_train_step(s))
+
+
+@pytest.fixture(scope='module')
+def stage_bytes():
+  return {layout: compiled_bytes(layout) for layout in ('ddp', 'zero1', 'zero2', 'fsdp')}
+
+
+def test_zero3_argument_bytes_are_at_most_a_sixth_of_ddp(stage_bytes):
+  ddp = stage_bytes['ddp']['per_device_bytes']['arguments']
+  assert stage_bytes['fsdp']['per_device_bytes']['arguments'] <= ddp / 6
+
+
+def test_zero1_shrinks_only_the_optimizer_state(stage_bytes):
+  ddp, zero1 = (stage_bytes[k]['per_device_bytes'] for k in ('ddp', 'zero1'))
+  params_bytes = 4 * stage_bytes['ddp']['num_params']
+  moments = 2 * params_bytes
+  # Arguments lose 7/8 of the two Adam moments, nothing else; the step's temporaries stay.
+  assert abs((ddp['arguments'] - zero1['arguments']) - moments * 7 / 8) < 0.02 * moments
+  assert abs(zero1['temp'] - ddp['temp']) < 0.05 * ddp['temp']
+
+
+def test_zero2_also_shards_the_gradients(stage_bytes):
+  zero1, zero2 = (stage_bytes[k]['per_device_bytes'] for k in ('zero1', 'zero2'))
+  grads = 4 * stage_bytes['ddp']['num_params']
+  assert zero2['arguments'] == zero1['arguments']      # parameters still replicated
+  # The gradient accumulator (and each microbatch's gradients) are 1/8 the size.
+  assert zero1['temp'] - zero2['temp'] > 0.75 * grads
+
+
+def test_zero3_gathers_parameters_and_ddp_does_not(stage_bytes):
+  assert stage_bytes['fsdp']['collectives_per_step']['all-gather']['count'] > 0
+  assert stage_bytes['ddp']['collectives_per_step']['all-gather']['count'] == 0
+  assert stage_bytes['ddp']['collectives_per_step']['all-reduce']['count'] > 0
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'mesh.fsdp': 3}, 'has 3 devices but 8 are available'),
+    ({'mesh.tensor': 8, 'mesh.fsdp': 1}, r'key/kernel dimension 2 \(kv_heads\) of size 4, which the mesh axes tensor=8'),
+    ({'train.batch_size': 4}, 'train.batch_size=4 is not divisible by 8 data-parallel devices'),
+    ({'model.vocab_size': 258, 'mesh.tensor': 4, 'mesh.fsdp': 2},
+     r'embedding dimension 0 \(vocab\) of size 258, which the mesh axes tensor=4'),
+    ({'parallel.zero_stage': 5}, r'parallel.zero_stage=5; allowed: 0 \(DDP\)'),
+])
+def test_layouts_that_do_not_fit_the_mesh_are_refused_naming_the_sizes(overrides, message):
+  with pytest.raises(checks.ConfigError, match=message):
+    run.setup(config_for('fsdp', **overrides))
+
+
+def test_an_unknown_mesh_axis_is_refused():
+  config = config_for('fsdp')
+  config.mesh = {'data': 1, 'fsdp': -1, 'pipe': 1}
+  with pytest.raises(checks.ConfigError, match="mesh axis 'pipe' is not known; allowed: data, fsdp, tensor"):
+    run.setup(config)
