@@ -27,6 +27,7 @@ class StepShape:
   fsdp: int = 1          # size of the mesh's fsdp axis
   tensor: int = 1        # size of the mesh's tensor axis
   zero_stage: int = 0
+  microbatches: int = 1
 
   def shards(self, from_stage: int) -> int:
     """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
@@ -59,8 +60,25 @@ def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
       'qkv': carry + saved['qkv'] / 2,
   }[cfg.remat]
   rebuilt = 0 if cfg.remat == 'none' else full_layer       # one layer recomputed at a time
+  # The backward pass of attention holds, besides what was saved, two fp32 [heads, length] rows per
+  # token (the gradients of the probabilities and of the scores); fitted to XLA's compiled
+  # temporaries at 1k-4k tokens, where these rows dominate.
+  attention_backward = 2 * cfg.num_heads * shape.seq_len * FP32 / shape.tensor
   logits = 3 * cfg.vocab_size * FP32 / shape.tensor        # logits, softmax, their gradient
-  return tokens * (cfg.num_layers * kept_by_policy + rebuilt + logits)
+  return tokens * (cfg.num_layers * kept_by_policy + rebuilt + attention_backward + logits)
+
+
+def temporary_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Buffers that are neither state nor activations: under ZeRO-3 the gathered weights of the
+  layer in use and of the next one (gathered ahead), and the embedding and output head while they
+  are used; with microbatches, one microbatch's gradients beside the accumulator."""
+  p = policy.param_bytes
+  gathered = 0
+  if shape.zero_stage >= 3 and shape.fsdp > 1:
+    head = 0 if cfg.tie_embeddings else cfg.embedding_params
+    gathered = (2 * cfg.params_per_layer + cfg.embedding_params + head) * p / shape.tensor
+  microbatch_grads = cfg.num_params * p / shape.shards(from_stage=2) if shape.microbatches > 1 else 0
+  return gathered + microbatch_grads
 
 
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
@@ -71,6 +89,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, fl
       'grads': n * p / shape.shards(from_stage=2),
       'optimizer': 2 * n * p / shape.shards(from_stage=1),
       'activations': activation_bytes(cfg, policy, shape),
+      'temporaries': temporary_bytes(cfg, policy, shape),
   }
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())

@@ -91,7 +91,7 @@ def memory_report(s: Setup, compiled) -> dict:
   train = s.config.train
   rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
   shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
-                    zero_stage=s.config.parallel.zero_stage)
+                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches)
   return {
       'num_params': s.model.num_params,
       'mesh': dict(s.mesh.shape),
@@ -120,7 +120,7 @@ def print_summary(s: Setup, memory: dict) -> None:
         f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
   print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
-        f'{b(estimated["activations"])}')
+        f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}')
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives ' + ('; '.join(f'{k} {v["count"]} x {b(v["bytes"])}' for k, v in active.items())
                           or 'none') + ' per step per device')
