@@ -20,7 +20,6 @@ _BATCH = flags.DEFINE_integer('batch_size', 8, 'Global batch in sequences.')
 _SEQ = flags.DEFINE_integer('seq_len', 512, 'Sequence length.')
 _REMAT = flags.DEFINE_string('remat', 'full', 'Remat policy.')
 
-GiB = 2**30
 
 
 def zero_formula(layout: str, psi: int, n: int) -> float | None:
@@ -34,6 +33,7 @@ def main(argv):
   import jax
   jax.config.update('jax_num_cpu_devices', _DEVICES.value)
   from configs.layouts import LAYOUTS, layout_config
+  from memory.compiled import GiB
   from train import run
 
   print(f'| layout | mesh (data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '

@@ -3,8 +3,8 @@ GiB = 2.0**30
 
 
 def format_bytes(n: float) -> str:
-  """GiB at 1 GiB and above, MiB below, so small and large figures both read."""
-  return f'{n / GiB:,.2f} GiB' if n >= GiB else f'{n / 2**20:,.1f} MiB'
+  """Always GiB, with enough decimals that small figures still read."""
+  return f'{n / GiB:,.2f} GiB' if n >= GiB else f'{n / GiB:.4f} GiB'
 
 
 def compiled_memory(compiled) -> dict:

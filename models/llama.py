@@ -45,7 +45,10 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+    # Vocabulary-parallel lookup: the table keeps its vocab split (over `tensor`) and is gathered
+    # over any other axis first; left to itself XLA may copy the whole table to every device.
+    table = constrain(self.embedding[...], ('vocab', None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
     x = constrain(x, ('batch', 'length', 'embed'))
 
     def body(x, block):

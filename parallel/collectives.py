@@ -4,8 +4,9 @@ Read off the optimized HLO text. An op inside a loop body (the scanned layers, t
 loop) runs once per iteration, so counts are multiplied by the loops' known trip counts.
 
 Bytes are per device and per execution, measured on the full (unsharded-side) buffer of the op:
-the gathered result of an all-gather, the input of a reduce-scatter (its result x group size), the
-buffer of an all-reduce, all-to-all or collective-permute.
+the gathered result of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce,
+all-to-all or collective-permute. Combined ops (several tensors in one collective) count once with
+the sum of their tensors. Asynchronous ops (`-start` / `-done`, as GPUs emit) count at the start.
 """
 import collections
 import math
@@ -27,28 +28,56 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 def _array_bytes(type_text: str) -> list[int]:
   sizes = []
   for dtype, dims in _ARRAY.findall(type_text):
-    width = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith('f8') or dtype.startswith('s4') else 4)
+    width = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith(('f8', 's4', 'u4', 'f4')) else 4)
     sizes.append(width * math.prod(int(d) for d in dims.split(',') if d))
   return sizes
 
 
-def _group_size(line: str) -> int:
+def _operands_and_results(type_text: str) -> tuple[list[int], list[int]]:
+  """An async start's type is `((operands...), (results...))`, or `(operand, result, ...)`."""
+  text = type_text.strip()
+  if text.startswith('(('):
+    depth, split = 0, None
+    for i, ch in enumerate(text[1:], start=1):
+      depth += ch == '('
+      depth -= ch == ')'
+      if depth == 0:
+        split = i + 1
+        break
+    return _array_bytes(text[:split]), _array_bytes(text[split:])
+  sizes = _array_bytes(text)
+  return sizes[:1], sizes[1:2]
+
+
+def _group_size(line: str, num_devices: int) -> int:
   """Devices in one replica group, from any of the HLO spellings of replica_groups."""
   named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
   if named:
-    sizes = dict((k.strip("' "), int(v)) for k, v in
-                 (item.split('=') for item in named.group(1).split(',')))
-    return math.prod(sizes[a.strip("' ")] for a in named.group(2).split(',') if a.strip())
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", named.group(1))}
+    size = 1
+    for axis, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", named.group(2)):
+      size *= int(sub) if sub else sizes.get(axis, 1)
+    return size
   iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=', line)
   if iota:
     return int(iota.group(2))
   explicit = re.search(r'replica_groups=\{\{([\d,]*)\}', line)
   if explicit:
     return len([d for d in explicit.group(1).split(',') if d])
-  return 1
+  return num_devices   # replica_groups={} or absent: every device
 
 
-def _parse(hlo_text: str):
+def _op_bytes(kind: str, started: bool, type_text: str, line: str, num_devices: int) -> int:
+  if started:
+    operands, results = _operands_and_results(type_text)
+    if kind == 'all-reduce':
+      return sum(_array_bytes(type_text)) if not type_text.strip().startswith('((') else sum(results)
+    return sum(operands) if kind == 'reduce-scatter' else sum(results)
+  total = sum(_array_bytes(type_text))
+  return total * _group_size(line, num_devices) if kind == 'reduce-scatter' else total
+
+
+def _parse(hlo_text: str, num_devices: int):
   """computation name -> (its own collectives, [(called computation, times)]), and the entry."""
   computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
@@ -65,11 +94,7 @@ def _parse(hlo_text: str):
     op = _INSTRUCTION.search(line)
     if op:
       type_text, kind, started = op.groups()
-      sizes = _array_bytes(type_text)
-      size = max(sizes) if started else sum(sizes)
-      if kind == 'reduce-scatter':
-        size *= _group_size(line)
-      own.append((kind, size))
+      own.append((kind, _op_bytes(kind, bool(started), type_text, line, num_devices)))
     loop = _WHILE.search(line)
     if loop:
       trips = _TRIP_COUNT.search(line)
@@ -80,9 +105,9 @@ def _parse(hlo_text: str):
   return computations, entry
 
 
-def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+def collective_stats(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, int]]:
   """{'all-gather': {'count': n, 'bytes': b}, ...} executed per step, for every kind in KINDS."""
-  computations, entry = _parse(hlo_text)
+  computations, entry = _parse(hlo_text, num_devices)
   memo: dict[str, collections.Counter] = {}
 
   def total(name: str, depth: int = 0) -> collections.Counter:

@@ -16,8 +16,10 @@ class CoordinatorError(RuntimeError):
 
 
 def launched_as_several_tasks() -> bool:
-  """True under SLURM or Open MPI with more than one task: JAX then finds the rest itself."""
-  for variable in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE'):
+  """True inside `srun` or `mpirun` with more than one task: JAX then finds the rest itself.
+  (SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the latter is also set in a plain sbatch/salloc shell,
+  where there is no job step for JAX to join.)"""
+  for variable in ('SLURM_STEP_NUM_TASKS', 'OMPI_COMM_WORLD_SIZE'):
     if int(os.environ.get(variable, '1') or 1) > 1:
       return True
   return False
@@ -40,11 +42,33 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
       time.sleep(0.5)
 
 
+def check_flags(coordinator_address: str | None, num_processes: int | None,
+                process_id: int | None, timeout_s: int) -> None:
+  """CoordinatorError naming the flag, for a combination JAX would reject with a traceback."""
+  given = [coordinator_address is not None, num_processes is not None, process_id is not None]
+  if any(given) and not all(given):
+    raise CoordinatorError('multi-host needs all three of --coordinator_address, --num_processes '
+                           'and --process_id (or none of them, under SLURM / Open MPI)')
+  if num_processes is not None and not (num_processes >= 1 and 0 <= process_id < num_processes):
+    raise CoordinatorError(f'--process_id={process_id} with --num_processes={num_processes}; the '
+                           f'process id must be in [0, {num_processes})')
+  if timeout_s < 1:
+    raise CoordinatorError(f'--coordinator_timeout={timeout_s}; it must be at least 1 second')
+
+
 def initialize(coordinator_address: str | None, num_processes: int | None,
                process_id: int | None, timeout_s: int) -> None:
-  """Explicit flags, or (all None) what SLURM / Open MPI provide."""
+  """Explicit flags, or (all None) what SLURM / Open MPI provide.
+
+  Process 0 hosts the coordinator; if the others never arrive, JAX's client aborts it after
+  `timeout_s` with its own message (that abort cannot be caught from Python)."""
+  check_flags(coordinator_address, num_processes, process_id, timeout_s)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')   # CPU processes talk over TCP
   if coordinator_address and process_id:
     wait_for_coordinator(coordinator_address, timeout_s)
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=timeout_s)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=timeout_s)
+  except ValueError as e:   # e.g. a cluster JAX cannot read the coordinator from
+    raise CoordinatorError(f'could not start multi-host JAX: {e}') from None

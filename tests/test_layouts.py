@@ -95,6 +95,37 @@ def test_parameter_and_optimizer_state_shardings_are_the_expected_specs(layout):
   assert _normalise(embedding) == _normalise(expected_embedding)
 
 
+def expected_spec(axes: tuple, fsdp_sharded: bool) -> P:
+  """What the rule tables promise, written out independently of parallel/rules.py."""
+  mesh_axis = {'embed': 'fsdp' if fsdp_sharded else None, 'heads': 'tensor', 'kv_heads': 'tensor',
+               'mlp': 'tensor', 'vocab': 'tensor'}
+  return P(*(mesh_axis.get(a) for a in axes))
+
+
+WEIGHTS = {  # path in params -> logical axes
+    ('blocks', 'attention', 'query', 'kernel'): ('layers', 'embed', 'heads', 'head_dim'),
+    ('blocks', 'attention', 'key', 'kernel'): ('layers', 'embed', 'kv_heads', 'head_dim'),
+    ('blocks', 'attention', 'out', 'kernel'): ('layers', 'heads', 'head_dim', 'embed'),
+    ('blocks', 'mlp', 'down', 'kernel'): ('layers', 'mlp', 'embed'),
+    ('blocks', 'attention_norm', 'scale'): ('layers', 'embed'),
+    ('final_norm', 'scale'): ('embed',),
+}
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_every_kind_of_weight_and_its_moments_are_placed_as_the_stage_promises(layout):
+  s = run.setup(config_for(layout))
+  params_sharded = layout in ('fsdp', 'fsdp_tp')
+  moments_sharded = layout not in ('ddp', 'tp')
+  params, moments = s.layout.shardings['params'], s.layout.shardings['opt_state'][1][0].mu
+  for path, axes in WEIGHTS.items():
+    param, moment = params, moments
+    for key in path:
+      param, moment = param[key], moment[key]
+    assert _normalise(param.spec) == _normalise(expected_spec(axes, params_sharded)), (layout, path)
+    assert _normalise(moment.spec) == _normalise(expected_spec(axes, moments_sharded)), (layout, path)
+
+
 def compiled_bytes(layout: str) -> dict:
   # Parameters dominate: a wide model, a short batch.
   config = config_for(layout, **{'model.d_model': 256, 'model.mlp_dim': 1024, 'model.num_heads': 8,

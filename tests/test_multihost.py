@@ -97,3 +97,18 @@ def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert f'127.0.0.1:{port}' in last and 'coordinator_timeout=5 s' in last, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--num_processes=2'], 'needs all three of --coordinator_address, --num_processes and --process_id'),
+    (['--coordinator_address=127.0.0.1:1', '--num_processes=2', '--process_id=2'],
+     '--process_id=2 with --num_processes=2; the process id must be in [0, 2)'),
+    (['--coordinator_address=nohost', '--num_processes=2', '--process_id=1'], "give it as host:port"),
+])
+def test_bad_multi_host_flags_are_refused_in_one_line(tmp_path, flags, message):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
+       f'--workdir={tmp_path / "w"}', *flags], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0 and 'Traceback' not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1]

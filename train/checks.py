@@ -1,7 +1,7 @@
 """Config validation: every bad value gets one line naming it and what is allowed, before any
 compile and before anything in the workdir is touched."""
 from models.config import ModelConfig
-from parallel.rules import ZERO_STAGES
+from parallel.rules import layout_rules
 from quant.precision import Policy, get_policy
 
 QUANT_MODES = ('none',)
@@ -66,8 +66,9 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
                       f'{process_count} processes; use a multiple of {process_count}')
   if config.quant.mode not in QUANT_MODES:
     raise ConfigError(f'quant.mode={config.quant.mode!r}; allowed: {", ".join(QUANT_MODES)}')
-  if config.parallel.zero_stage not in ZERO_STAGES:
-    raise ConfigError(f'parallel.zero_stage={config.parallel.zero_stage!r}; allowed: 0 (DDP), '
-                      f'1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, FSDP)')
+  try:
+    layout_rules(config.parallel.zero_stage)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if not 0 < config.data.val_fraction <= 0.5:
     raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')

@@ -98,7 +98,7 @@ def memory_report(s: Setup, compiled) -> dict:
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
       'estimate_bytes': estimate(s.model, s.policy, shape),
-      'collectives_per_step': collective_stats(compiled.as_text()),
+      'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
   }
 
 
@@ -122,8 +122,11 @@ def print_summary(s: Setup, memory: dict) -> None:
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}')
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
-  print('collectives ' + ('; '.join(f'{k} {v["count"]} x {b(v["bytes"])}' for k, v in active.items())
-                          or 'none') + ' per step per device')
+  print('collectives per step per device: ' + ('; '.join(
+      f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
+  if s.config.parallel.zero_stage and s.mesh.shape['fsdp'] == 1:
+    print(f'note        zero_stage {s.config.parallel.zero_stage} shards over the fsdp axis, which '
+          f'has size 1 here: nothing is sharded (set --config.mesh.fsdp)')
 
 
 def _write_json(path: str, value) -> None:
