@@ -36,7 +36,8 @@ def _init_jax(config) -> None:
     # Only the CPU backend reads this: on a GPU machine jax.devices() is still the GPUs.
     jax.config.update('jax_num_cpu_devices', host_devices)
   from parallel import distributed
-  if not (_COORDINATOR.value or _NUM_PROCESSES.value or distributed.launched_as_several_tasks()):
+  explicit = any(v is not None for v in (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
+  if not (explicit or distributed.launched_as_several_tasks()):
     return
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
