@@ -41,12 +41,25 @@ REPLICATED = TENSOR_PARALLEL
 SHARDED = (('embed', 'fsdp'),) + TENSOR_PARALLEL
 
 
+# Activations inside a per-device region (shard_map over the data-parallel axes): the batch there
+# is already one device's rows.
+PER_DEVICE_ACTIVATIONS = TENSOR_PARALLEL
+DATA_PARALLEL_AXES = ('data', 'fsdp')
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutRules:
   activations: tuple
   params: tuple
   grads: tuple
   optimizer: tuple
+  per_device_activations: tuple = PER_DEVICE_ACTIVATIONS
+
+  @property
+  def grads_replicated(self) -> bool:
+    """Gradients whole on every data-parallel device (DDP, ZeRO-1): they can be summed locally
+    over microbatches and reduced once per step."""
+    return self.grads == REPLICATED
 
 
 def layout_rules(zero_stage: int) -> LayoutRules:

@@ -25,16 +25,16 @@ def config_for(layout: str, **overrides):
   return config
 
 
-def batches(n=3):
+def batches(n=3, rows=8):
   for i in range(n):
-    tokens = random_tokens((8, 17), seed=i)
+    tokens = random_tokens((rows, 17), seed=i)
     yield {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
 
 
 def losses(config, devices=None) -> list[float]:
   s = run.setup(config, devices)
   state, out = s.layout.init(), []
-  for batch in batches():
+  for batch in batches(rows=config.train.batch_size):
     with s.context():
       state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
                                             for k, v in batch.items()})
@@ -54,6 +54,29 @@ def test_first_three_losses_equal_the_single_device_run(layout, single_device_lo
   got, s = losses(config_for(layout))
   assert s.mesh.size == 8
   np.testing.assert_allclose(got, single_device_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope='module')
+def single_device_losses_16_rows():
+  out, _ = losses(config_for('ddp', **{'train.batch_size': 16}), devices=jax.devices()[:1])
+  return out
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_with_two_microbatches_losses_still_equal_the_single_device_run(
+    layout, single_device_losses_16_rows):
+  got, _ = losses(config_for(layout, **{'train.batch_size': 16, 'train.microbatches': 2}))
+  np.testing.assert_allclose(got, single_device_losses_16_rows, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('layout', ['ddp', 'zero1'])
+def test_replicated_gradients_are_reduced_once_per_step_not_per_microbatch(layout):
+  """DDP and ZeRO-1 sum each device's microbatch gradients locally (PyTorch DDP's no_sync)."""
+  def all_reduce(microbatches):
+    s = run.setup(config_for(layout, **{'train.batch_size': 32, 'train.microbatches': microbatches}))
+    return run.memory_report(s, run.compile_train_step(s))['collectives_per_step']['all-reduce']
+  one, four = all_reduce(1), all_reduce(4)
+  assert four['bytes'] <= one['bytes']
 
 
 # (parameter spec, Adam moment spec) of the stacked MLP gate kernel [layers, embed, mlp]. The rule

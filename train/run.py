@@ -18,7 +18,7 @@ from memory.estimate import StepShape, estimate
 from models.config import ModelConfig
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
-from parallel.rules import layout_rules
+from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
 from quant.precision import Policy
 from train import checks
@@ -70,8 +70,10 @@ def setup(config, devices=None) -> Setup:
     layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
+  local = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
+           if rules.grads_replicated else None)
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
-                            layout.grad_shardings)
+                            layout.grad_shardings, local)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),

@@ -4,10 +4,15 @@ Reads top to bottom: split the batch into microbatches, accumulate gradients in 
 weights' dtype, (fp16) unscale and check for overflow, apply AdamW, (fp16) skip the update if the
 gradients overflowed.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from flax import linen
+from jax.sharding import PartitionSpec
 
 from models.sharding import constrain
 from quant.loss_scale import all_finite, select_tree, update_loss_scale
@@ -31,33 +36,59 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
-                    grad_shardings=None):
+                    grad_shardings=None, local_accumulation=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
-  the data-parallel sum becomes a reduce-scatter and each device keeps only its slice."""
+  the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
+  microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
+
+  `local_accumulation` = (mesh, data-parallel axes, per-device activation rules), for layouts whose
+  gradients are replicated over the data-parallel axes (DDP, ZeRO-1): each device sums its own
+  microbatches' gradients and they are reduced once per step, not once per microbatch (what
+  PyTorch DDP's no_sync does)."""
 
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-  def train_step(state: dict, batch: dict):
-    params = state['params']
-    scale = state['loss_scale']['scale'] if policy.loss_scaling else 1.0
-
+  def accumulate_all(params, batch, scale, constrain_grads: bool):
+    """Sum of the (scaled) gradients and of the losses over the microbatches of `batch`."""
     def scaled_loss(p, microbatch):
       loss = cross_entropy(graphdef, p, microbatch)
       return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+    keep = place if constrain_grads else (lambda tree: tree)
 
     def accumulate(carry, microbatch):
       grad_sum, loss_sum = carry
       (_, loss), grads = grad_fn(params, microbatch)
-      return (place(jax.tree.map(jnp.add, grad_sum, place(grads))), loss_sum + loss), None
+      return (keep(jax.tree.map(jnp.add, grad_sum, keep(grads))), loss_sum + loss), None
 
-    zeros = place(jax.tree.map(jnp.zeros_like, params))
+    zeros = keep(jax.tree.map(jnp.zeros_like, params))
     (grad_sum, loss_sum), _ = jax.lax.scan(
         accumulate, (zeros, jnp.zeros((), jnp.float32)), split_microbatches(batch, microbatches))
-    grads = jax.tree.map(lambda g: g / (microbatches * scale), grad_sum)
-    loss = loss_sum / microbatches
+    return grad_sum, loss_sum
+
+  def train_step(state: dict, batch: dict):
+    params = state['params']
+    scale = state['loss_scale']['scale'] if policy.loss_scaling else jnp.float32(1.0)
+
+    if local_accumulation is None or microbatches == 1:
+      grad_sum, loss_sum = accumulate_all(params, batch, scale, constrain_grads=True)
+      ways = 1
+    else:
+      mesh, axes, rules = local_accumulation
+
+      def per_device(params, local_batch, scale):
+        with linen.logical_axis_rules(rules):   # inside, the batch is this device's own rows
+          sums = accumulate_all(params, local_batch, scale, constrain_grads=False)
+        return jax.lax.psum(sums, axes)
+
+      grad_sum, loss_sum = jax.shard_map(
+          per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes), PartitionSpec()),
+          out_specs=PartitionSpec(), axis_names=frozenset(axes), check_vma=False)(params, batch, scale)
+      ways = math.prod(mesh.shape[a] for a in axes)
+    grads = jax.tree.map(lambda g: g / (microbatches * ways * scale), grad_sum)
+    loss = loss_sum / (microbatches * ways)
 
     updates, opt_state = tx.update(grads, state['opt_state'], params)
     new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
