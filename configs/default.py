@@ -52,6 +52,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.mesh = dict(data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
   config.parallel = dict(zero_stage=0)      # 0 DDP, 1-3 ZeRO stages over the fsdp axis
   config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
-  config.quant = dict(mode='none')
+  config.quant = dict(
+      mode='none',
+      adam_bits=32,                       # 32, or 8: Adam's moments block-wise quantized to 8 bits
+      adam_block_size=2048,               # values per quantization block (256 or 2048)
+  )
   config.sample = dict(prompt='def ', length=200, temperature=0.8)
   return config

@@ -7,6 +7,8 @@ A first model, stated so it can be checked against the compiler (memory.json hol
 - gradients have the parameters' size and dtype (they are accumulated in it), split `fsdp` ways
   under ZeRO-2 and 3;
 - AdamW keeps two moments of the same size and dtype, split `fsdp` ways under ZeRO-1, 2 and 3;
+  with 8-bit moments, one byte per value plus an fp32 scale per block, except the norm scales
+  (too small to quantize), which stay fp32;
 - activations: what the backward pass keeps for one microbatch on one device, per layer, given the
   remat policy, plus the fp32 logits, their softmax and gradient, and one layer's working set that
   is rebuilt during the backward pass when remat is on. Tensor parallelism splits the attention
@@ -28,6 +30,8 @@ class StepShape:
   tensor: int = 1        # size of the mesh's tensor axis
   zero_stage: int = 0
   microbatches: int = 1
+  adam_bits: int = 32
+  adam_block_size: int = 2048
 
   def shards(self, from_stage: int) -> int:
     """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
@@ -81,13 +85,21 @@ def temporary_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
   return gathered + microbatch_grads
 
 
+def moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Bytes of one Adam moment for the whole model."""
+  if shape.adam_bits == 32:
+    return cfg.num_params * policy.param_bytes
+  norms = (2 * cfg.num_layers + 1) * cfg.d_model
+  return (cfg.num_params - norms) * (1 + FP32 / shape.adam_block_size) + norms * FP32
+
+
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   n = cfg.num_params
   p = policy.param_bytes
   parts = {
       'params': n * p / shape.shards(from_stage=3),
       'grads': n * p / shape.shards(from_stage=2),
-      'optimizer': 2 * n * p / shape.shards(from_stage=1),
+      'optimizer': 2 * moment_bytes(cfg, policy, shape) / shape.shards(from_stage=1),
       'activations': activation_bytes(cfg, policy, shape),
       'temporaries': temporary_bytes(cfg, policy, shape),
   }

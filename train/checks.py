@@ -2,7 +2,9 @@
 compile and before anything in the workdir is touched."""
 from models.config import ModelConfig
 from parallel.rules import layout_rules
+from quant.adam8bit import BLOCK_SIZES
 from quant.precision import Policy, get_policy
+from train.optimizer import ADAM_BITS
 
 QUANT_MODES = ('none',)
 
@@ -64,6 +66,12 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   if train.batch_size % process_count:
     raise ConfigError(f'train.batch_size={train.batch_size} is not divisible by the '
                       f'{process_count} processes; use a multiple of {process_count}')
+  if config.quant.adam_bits not in ADAM_BITS:
+    raise ConfigError(f'quant.adam_bits={config.quant.adam_bits!r}; allowed: '
+                      f'{", ".join(map(str, ADAM_BITS))}')
+  if config.quant.adam_block_size not in BLOCK_SIZES:
+    raise ConfigError(f'quant.adam_block_size={config.quant.adam_block_size!r}; allowed: '
+                      f'{", ".join(map(str, BLOCK_SIZES))}')
   if config.quant.mode not in QUANT_MODES:
     raise ConfigError(f'quant.mode={config.quant.mode!r}; allowed: {", ".join(QUANT_MODES)}')
   try:

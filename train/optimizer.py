@@ -1,6 +1,11 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax)."""
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax); the moments in fp32
+(as the parameters' dtype) or in 8 bits (quant/adam8bit.py)."""
 import jax
 import optax
+
+from quant.adam8bit import adamw_8bit
+
+ADAM_BITS = (32, 8)
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
@@ -26,9 +31,14 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-  return optax.chain(
-      optax.clip_by_global_norm(train_cfg.grad_clip),
-      optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                  weight_decay=train_cfg.weight_decay, mask=weight_decay_mask),
-  )
+def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048
+                   ) -> optax.GradientTransformation:
+  schedule = learning_rate_schedule(train_cfg)
+  if adam_bits == 8:
+    adam = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
+                      weight_decay=train_cfg.weight_decay, mask=weight_decay_mask,
+                      block_size=block_size)
+  else:
+    adam = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
+                       weight_decay=train_cfg.weight_decay, mask=weight_decay_mask)
+  return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adam)

@@ -65,7 +65,7 @@ def setup(config, devices=None) -> Setup:
                       process_count=jax.process_count(),
                       tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
-  tx = make_optimizer(config.train)
+  tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size)
   try:
     layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
   except ValueError as e:
@@ -93,7 +93,9 @@ def memory_report(s: Setup, compiled) -> dict:
   train = s.config.train
   rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
   shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
-                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches)
+                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
+                    adam_bits=s.config.quant.adam_bits,
+                    adam_block_size=s.config.quant.adam_block_size)
   return {
       'num_params': s.model.num_params,
       'mesh': dict(s.mesh.shape),

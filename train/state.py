@@ -29,6 +29,25 @@ class StateLayout:
   init: Callable[[], Any]  # jitted: creates the state already sharded
 
 
+def _is_quantized(leaf) -> bool:
+  return isinstance(leaf, dict) and set(leaf) == {'codes', 'scale'}
+
+
+def _moment_sharding(leaf, sharding, mesh: Mesh):
+  """A moment is placed like its parameter; an 8-bit moment ([blocks, block] codes and [blocks]
+  scales) splits its blocks over the mesh axes that split the parameter, where they divide."""
+  if not _is_quantized(leaf):
+    return sharding
+  axes = tuple(a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part))
+  ways = 1
+  for a in axes:
+    ways *= mesh.shape[a]
+  blocks = leaf['scale'].shape[0]
+  spec = jax.sharding.PartitionSpec(axes if axes and blocks % ways == 0 else None)
+  return {'codes': jax.sharding.NamedSharding(mesh, spec),
+          'scale': jax.sharding.NamedSharding(mesh, spec)}
+
+
 def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transformer:
   return Transformer(model_cfg, policy=policy, rngs=nnx.Rngs(params=seed))
 
@@ -55,8 +74,8 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
   abstract = jax.eval_shape(init)
   whole = replicated(mesh)
   opt_sharding = optax.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract['opt_state'], moment_sharding,
-      transform_non_params=lambda _: whole)
+      tx, lambda leaf, sharding: _moment_sharding(leaf, sharding, mesh), abstract['opt_state'],
+      moment_sharding, transform_non_params=lambda _: whole, is_leaf=_is_quantized)
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
