@@ -7,15 +7,20 @@ scales, biases) keep fp32 moments: they cost little and are the most sensitive. 
 uses the signed code book, the second (never negative) the unsigned one, which spends all 256
 values on magnitudes.
 """
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from quant.blockwise import dequantize_blockwise, quantize_blockwise
+from quant.blockwise import (dequantize_blocks, from_blocks, quantize_blockwise,
+                             quantize_blocks, to_blocks)
 
 BLOCK_SIZES = (256, 2048)
+# A quantized moment is updated in this many slices (one at a time, in a loop), so that its fp32
+# working copies never exist for the whole tensor at once.
+UPDATE_SLICES = 16
 
 
 class ScaleByAdam8bitState(NamedTuple):
@@ -36,8 +41,6 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   def store(x, p, signed):
     return quantize_blockwise(x, block_size, signed) if quantized(p) else x.astype(jnp.float32)
 
-  def load(stored, p, signed):
-    return dequantize_blockwise(stored, p.shape, signed) if quantized(p) else stored
 
   def init_fn(params):
     zeros = lambda p, signed: store(jnp.zeros(p.shape, jnp.float32), p, signed)
@@ -51,13 +54,44 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     count = optax.safe_increment(state.count)
     is_leaf = lambda x: isinstance(x, dict) and set(x) == {'codes', 'scale'}
 
+    correction1 = 1 - b1 ** count.astype(jnp.float32)
+    correction2 = 1 - b2 ** count.astype(jnp.float32)
+
+    def adam(g, mu, nu):
+      g = g.astype(jnp.float32)
+      mu = b1 * mu + (1 - b1) * g
+      nu = b2 * nu + (1 - b2) * jnp.square(g)
+      return (mu / correction1) / (jnp.sqrt(nu / correction2) + eps), mu, nu
+
     def one(g, mu_stored, nu_stored):
-      mu = b1 * load(mu_stored, g, True) + (1 - b1) * g.astype(jnp.float32)
-      nu = b2 * load(nu_stored, g, False) + (1 - b2) * jnp.square(g.astype(jnp.float32))
-      mu_hat = mu / (1 - b1 ** count.astype(jnp.float32))
-      nu_hat = nu / (1 - b2 ** count.astype(jnp.float32))
-      step = (mu_hat / (jnp.sqrt(nu_hat) + eps)).astype(g.dtype)
-      return step, store(mu, g, True), store(nu, g, False)
+      if not quantized(g):
+        step, mu, nu = adam(g, mu_stored, nu_stored)
+        return step.astype(g.dtype), mu, nu
+      blocks = to_blocks(g, block_size)
+      slices = math.gcd(blocks.shape[0], UPDATE_SLICES)
+
+      def interleaved(x):   # [blocks, ...] -> [blocks / slices, slices, ...], no copy
+        return x.reshape(x.shape[0] // slices, slices, *x.shape[1:])
+
+      # Slice i is rows i, i + slices, ...: every data-parallel shard keeps its own rows, and the
+      # buffers are read and written in place through the loop.
+      def update_slice(i, carry):
+        step, mu_q, nu_q = carry
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=1)
+        new_step, mu, nu = adam(take(interleaved_g), dequantize_blocks(jax.tree.map(take, mu_q), True),
+                                dequantize_blocks(jax.tree.map(take, nu_q), False))
+        return (put(step, new_step.astype(step.dtype)), jax.tree.map(put, mu_q, quantize_blocks(mu, True)),
+                jax.tree.map(put, nu_q, quantize_blocks(nu, False)))
+
+      interleaved_g = interleaved(blocks)
+      step, mu_q, nu_q = jax.lax.fori_loop(
+          0, slices, update_slice,
+          (jnp.zeros_like(interleaved_g), jax.tree.map(interleaved, mu_stored),
+           jax.tree.map(interleaved, nu_stored)))
+      step = step.reshape(blocks.shape)
+      mu_q, nu_q = (jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), q) for q in (mu_q, nu_q))
+      return from_blocks(step, g.shape), mu_q, nu_q
 
     flat_updates, treedef = jax.tree.flatten(updates)
     flat_mu = jax.tree.leaves(state.mu, is_leaf=is_leaf)
