@@ -8,7 +8,6 @@ bytes of model state: fp16 parameters (2Ψ), fp16 gradients (2Ψ) and the fp32 m
 Adam moments (12Ψ). Our bf16_mixed policy keeps the fp32 master *as* the parameters and fp32
 gradients, so our own model state is 4Ψ + 4Ψ + 8Ψ: the same 16Ψ in total, split differently.
 """
-import os
 import sys
 
 from absl import app, flags, logging
@@ -36,8 +35,8 @@ def main(argv):
   from memory.compiled import GiB
   from train import run
 
-  print(f'| layout | mesh (data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '
-        f'| estimate | all-gather | all-reduce | reduce-scatter | other collectives |')
+  print('| layout | mesh (data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '
+        '| estimate | all-gather | all-reduce | reduce-scatter | other collectives |')
   print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for layout in LAYOUTS:
     config = layout_config(layout, _PRESET.value)

@@ -8,7 +8,6 @@ tensor parallelism can split heads without reshapes in the model.
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from quant.precision import Policy

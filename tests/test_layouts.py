@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs.layouts import LAYOUTS, layout_config
-from tests.helpers import random_tokens, tiny_config
+from tests.helpers import random_tokens
 from train import checks, run
 
 # Wide enough that every dimension divides 8 fsdp ways and 4 tensor ways.

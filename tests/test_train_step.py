@@ -6,7 +6,6 @@ import pytest
 
 from parallel.mesh import make_mesh
 from parallel.rules import layout_rules
-from quant.precision import get_policy
 from tests.helpers import random_tokens, tiny_config
 from train import checks
 from train.optimizer import make_optimizer
