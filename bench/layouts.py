@@ -33,7 +33,7 @@ def main(argv):
   jax.config.update('jax_num_cpu_devices', _DEVICES.value)
   from configs.layouts import LAYOUTS, layout_config
   from memory.compiled import GiB
-  from train import run
+  from train import checks, run
 
   print('| layout | mesh (data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '
         '| estimate | all-gather | all-reduce | reduce-scatter | other collectives |')
@@ -44,7 +44,10 @@ def main(argv):
     config.model.remat = _REMAT.value
     config.train.batch_size, config.train.seq_len = _BATCH.value, _SEQ.value
     config.train.microbatches = 1
-    s = run.setup(config)
+    try:
+      s = run.setup(config)
+    except checks.ConfigError as e:
+      sys.exit(f'error: {layout}: {e}')
     memory = run.memory_report(s, run.compile_train_step(s))
     compiled, collectives = memory['per_device_bytes'], memory['collectives_per_step']
     psi, shape = memory['num_params'], memory['mesh']
