@@ -23,6 +23,11 @@ BLOCK_SIZES = (256, 2048)
 UPDATE_SLICES = 16
 
 
+def is_quantized_moment(leaf) -> bool:
+  """A moment stored in 8 bits: {'codes': uint8 [blocks, block], 'scale': fp32 [blocks]}."""
+  return isinstance(leaf, dict) and set(leaf) == {'codes', 'scale'}
+
+
 class ScaleByAdam8bitState(NamedTuple):
   count: jax.Array
   mu: optax.Updates   # per leaf: fp32 array, or {'codes': uint8, 'scale': fp32} when quantized
@@ -41,7 +46,6 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   def store(x, p, signed):
     return quantize_blockwise(x, block_size, signed) if quantized(p) else x.astype(jnp.float32)
 
-
   def init_fn(params):
     zeros = lambda p, signed: store(jnp.zeros(p.shape, jnp.float32), p, signed)
     return ScaleByAdam8bitState(
@@ -52,7 +56,6 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    is_leaf = lambda x: isinstance(x, dict) and set(x) == {'codes', 'scale'}
 
     correction1 = 1 - b1 ** count.astype(jnp.float32)
     correction2 = 1 - b2 ** count.astype(jnp.float32)
@@ -94,8 +97,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       return from_blocks(step, g.shape), mu_q, nu_q
 
     flat_updates, treedef = jax.tree.flatten(updates)
-    flat_mu = jax.tree.leaves(state.mu, is_leaf=is_leaf)
-    flat_nu = jax.tree.leaves(state.nu, is_leaf=is_leaf)
+    flat_mu = jax.tree.leaves(state.mu, is_leaf=is_quantized_moment)
+    flat_nu = jax.tree.leaves(state.nu, is_leaf=is_quantized_moment)
     results = [one(g, m, v) for g, m, v in zip(flat_updates, flat_mu, flat_nu)]
     steps, mus, nus = zip(*results) if results else ((), (), ())
     return (jax.tree.unflatten(treedef, steps),

@@ -6,6 +6,7 @@ a model of any size can be described (and its train step compiled) without alloc
 `jax.jit(init, out_shardings=...)` creates the arrays already in place.
 """
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 from models import ModelConfig, Transformer
 from parallel.rules import LayoutRules
 from parallel.sharding import check_divisible, logical_axes_tree, replicated, shardings_for
+from quant.adam8bit import is_quantized_moment
 from quant.loss_scale import init_loss_scale
 from quant.precision import Policy
 
@@ -29,19 +31,13 @@ class StateLayout:
   init: Callable[[], Any]  # jitted: creates the state already sharded
 
 
-def _is_quantized(leaf) -> bool:
-  return isinstance(leaf, dict) and set(leaf) == {'codes', 'scale'}
-
-
 def _moment_sharding(leaf, sharding, mesh: Mesh):
   """A moment is placed like its parameter; an 8-bit moment ([blocks, block] codes and [blocks]
   scales) splits its blocks over the mesh axes that split the parameter, where they divide."""
-  if not _is_quantized(leaf):
+  if not is_quantized_moment(leaf):
     return sharding
   axes = tuple(a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part))
-  ways = 1
-  for a in axes:
-    ways *= mesh.shape[a]
+  ways = math.prod(mesh.shape[a] for a in axes)
   blocks = leaf['scale'].shape[0]
   spec = jax.sharding.PartitionSpec(axes if axes and blocks % ways == 0 else None)
   return {'codes': jax.sharding.NamedSharding(mesh, spec),
@@ -75,7 +71,7 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
   whole = replicated(mesh)
   opt_sharding = optax.tree_map_params(
       tx, lambda leaf, sharding: _moment_sharding(leaf, sharding, mesh), abstract['opt_state'],
-      moment_sharding, transform_non_params=lambda _: whole, is_leaf=_is_quantized)
+      moment_sharding, transform_non_params=lambda _: whole, is_leaf=is_quantized_moment)
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

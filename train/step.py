@@ -9,9 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
-
-from flax import linen
+from flax import linen, nnx
 from jax.sharding import PartitionSpec
 
 from models.sharding import constrain
