@@ -53,7 +53,11 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.parallel = dict(zero_stage=0)      # 0 DDP, 1-3 ZeRO stages over the fsdp axis
   config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
   config.quant = dict(
-      mode='none',
+      mode='none',                        # matmuls: none, int8, int4, fp8, llm_int8 (quant/recipe.py)
+      block_size=0,                       # 0: a scale per channel/token; n: per n inputs (int8/int4/fp8)
+      int8_backward=False,                # int8: quantize the gradients of the matmuls too
+      learned_scale=False,                # int4: learn the step sizes (LSQ) instead of absmax
+      threshold=6.0,                      # llm_int8: |activation| above which a column is an outlier
       adam_bits=32,                       # 32, or 8: Adam's moments block-wise quantized to 8 bits
       adam_block_size=2048,               # values per quantization block (256 or 2048)
   )

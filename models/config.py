@@ -44,6 +44,11 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'model.remat={self.remat!r}; allowed: {", ".join(REMAT_POLICIES)}')
 
+  def matmul_inputs(self) -> dict[str, int]:
+    """The innermost contraction dimension of every projection (where quantization blocks run)."""
+    return {'model.d_model': self.d_model, 'model.head_dim': self.head_dim,
+            'model.mlp_dim': self.mlp_dim}
+
   # ---- parameter counts -------------------------------------------------------------------
   @property
   def attention_params_per_layer(self) -> int:

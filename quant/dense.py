@@ -1,7 +1,8 @@
 """The one dense projection every matmul in the model goes through.
 
 Weights carry logical axis names (for sharding rules) and are stored in the policy's param dtype;
-the product runs in the policy's compute dtype. Quantized modes plug in here, not in the model.
+the product runs in the policy's compute dtype, through the quantized matmul its recipe names
+(quant/matmul.py). Quantized modes plug in here, not in the model.
 The kernel may have several input and output dimensions (e.g. `[embed] -> [heads, head_dim]`), so
 tensor parallelism can split heads without reshapes in the model.
 """
@@ -10,6 +11,8 @@ from typing import Sequence
 import jax
 from flax import nnx
 
+from quant import lsq
+from quant.matmul import quantized_dot
 from quant.precision import Policy
 
 
@@ -36,9 +39,13 @@ class Dense(nnx.Module):
     self.policy = policy
     kernel = jax.nn.initializers.normal(init_std)(rngs.params(), shape, policy.param_dtype)
     self.kernel = logical_param(kernel, axes)
+    n_in = len(self.in_features)
+    # LSQ: one learned int4 step size per output channel, sharded like the kernel's outputs.
+    self.step_size = (logical_param(lsq.initial_step_size(kernel, n_in, bits=4), axes[n_in:])
+                      if policy.matmul.learned_scale else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n_in = len(self.in_features)
     dtype = self.policy.compute_dtype
-    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    return jax.lax.dot_general(x.astype(dtype), self.kernel[...].astype(dtype), (contract, ((), ())))
+    step_size = None if self.step_size is None else self.step_size[...]
+    return quantized_dot(x.astype(dtype), self.kernel[...].astype(dtype), len(self.in_features),
+                         self.policy.matmul, step_size)

@@ -8,6 +8,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from quant.recipe import MatmulRecipe
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -16,6 +18,7 @@ class Policy:
   compute_dtype: jnp.dtype   # matmuls and activations
   loss_scaling: bool         # dynamic loss scaling (needed by fp16's narrow exponent range)
   description: str
+  matmul: MatmulRecipe = MatmulRecipe()   # the quantized product every Dense runs (quant.*)
 
   @property
   def param_bytes(self) -> int:

@@ -1,13 +1,13 @@
 """Config validation: every bad value gets one line naming it and what is allowed, before any
 compile and before anything in the workdir is touched."""
+import dataclasses
+
 from models.config import ModelConfig
 from parallel.rules import layout_rules
 from quant.adam8bit import BLOCK_SIZES
 from quant.precision import Policy, get_policy
+from quant.recipe import MatmulRecipe
 from train.optimizer import ADAM_BITS
-
-QUANT_MODES = ('none',)
-
 
 class ConfigError(ValueError):
   pass
@@ -21,8 +21,11 @@ def model_config(config) -> ModelConfig:
 
 
 def policy(config) -> Policy:
+  """The precision policy with the matmul recipe of `quant.*` inside it."""
   try:
-    return get_policy(config.precision)
+    recipe = MatmulRecipe.from_config(config.quant)
+    recipe.check_inputs(model_config(config).matmul_inputs())
+    return dataclasses.replace(get_policy(config.precision), matmul=recipe)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
@@ -72,8 +75,6 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   if config.quant.adam_block_size not in BLOCK_SIZES:
     raise ConfigError(f'quant.adam_block_size={config.quant.adam_block_size!r}; allowed: '
                       f'{", ".join(map(str, BLOCK_SIZES))}')
-  if config.quant.mode not in QUANT_MODES:
-    raise ConfigError(f'quant.mode={config.quant.mode!r}; allowed: {", ".join(QUANT_MODES)}')
   try:
     layout_rules(config.parallel.zero_stage)
   except ValueError as e:

@@ -24,10 +24,13 @@ def weight_decay_mask(params):
   """Decay matrices (projections, embeddings); leave vectors (norm scales) alone.
 
   Stacked layers add a leading `layers` dimension, so a norm scale inside the scanned stack is 2-D:
-  what counts is the rank of one layer's tensor, read from the path ('blocks' = stacked)."""
+  what counts is the rank of one layer's tensor, read from the path ('blocks' = stacked). Learned
+  quantization step sizes are never decayed."""
   def decays(path, leaf):
-    stacked = any(getattr(key, 'key', None) == 'blocks' for key in path)
-    return leaf.ndim - int(stacked) >= 2
+    names = [getattr(key, 'key', None) for key in path]
+    if names[-1] == 'step_size':   # learned quantization step sizes (LSQ) are not weights
+      return False
+    return leaf.ndim - int('blocks' in names) >= 2
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -1,0 +1,73 @@
+"""The quantized products behind `Dense`, one function per `quant.mode`.
+
+int8, int4 (absmax scales) and fp8 are Qwix's quantized-training dot_general: it quantizes both
+operands with absmax scales (per token for activations, per output channel or per tile for weights),
+multiplies the integer or fp8 values and rescales, and its custom gradient either reuses the
+unquantized operands (straight-through) or quantizes the incoming gradient too. LSQ int4 and
+LLM.int8() are ours (quant/lsq.py, quant/llm_int8.py): no library in JAX has them.
+"""
+import jax
+import jax.numpy as jnp
+from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
+
+from quant import lsq
+from quant.llm_int8 import llm_int8_dot
+from quant.recipe import MatmulRecipe
+
+
+def _dims(x: jax.Array, n_in: int):
+  return ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+
+
+def _plain(x, kernel, n_in, recipe, step_size):
+  return jax.lax.dot_general(x, kernel, _dims(x, n_in))
+
+
+def _qwix(config_for):
+  def dot(x, kernel, n_in, recipe, step_size):
+    return dot_general_qt(x, kernel, _dims(x, n_in), config_for(recipe))
+  return dot
+
+
+def _int8_config(r: MatmulRecipe) -> DotGeneralQtConfig:
+  grads = 'int8' if r.int8_backward else None
+  return DotGeneralQtConfig(lhs_qtype='int8', rhs_qtype='int8', tile_size=r.block_size or None,
+                            dlhs_grad_qtype=grads, drhs_grad_qtype=grads,
+                            use_original_residuals=not r.int8_backward)
+
+
+def _int4_config(r: MatmulRecipe) -> DotGeneralQtConfig:
+  # Weight-only: activations stay in the compute dtype; the gradient is straight-through.
+  return DotGeneralQtConfig(rhs_qtype='int4', tile_size=r.block_size or None,
+                            use_original_residuals=True)
+
+
+def _fp8_config(r: MatmulRecipe) -> DotGeneralQtConfig:
+  # e4m3 (more mantissa) for the forward operands, e5m2 (more range) for gradients: the FP8 paper's split.
+  return DotGeneralQtConfig(lhs_qtype=jnp.float8_e4m3fn, rhs_qtype=jnp.float8_e4m3fn,
+                            tile_size=r.block_size or None, dlhs_grad_qtype=jnp.float8_e5m2,
+                            drhs_grad_qtype=jnp.float8_e5m2)
+
+
+def _int4_learned(x, kernel, n_in, recipe, step_size):
+  return _plain(x, lsq.fake_quantize(kernel, step_size, n_in, bits=4), n_in, recipe, None)
+
+
+def _llm_int8(x, kernel, n_in, recipe, step_size):
+  return llm_int8_dot(x, kernel, n_in, threshold=recipe.threshold, compute_dtype=x.dtype)
+
+
+_PRODUCTS = {
+    'none': _plain,
+    'int8': _qwix(_int8_config),
+    'int4': _qwix(_int4_config),
+    'fp8': _qwix(_fp8_config),
+    'llm_int8': _llm_int8,
+}
+
+
+def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
+                  step_size: jax.Array | None = None) -> jax.Array:
+  """x [..., *in] @ kernel [*in, *out] under `recipe`; `step_size` [*out] when scales are learned."""
+  product = _int4_learned if recipe.learned_scale else _PRODUCTS[recipe.mode]
+  return product(x, kernel, n_in, recipe, step_size)
