@@ -60,5 +60,14 @@ class MatmulRecipe:
                          f'but {name}={size} is odd; use even sizes ({_sizes(input_dims)})')
 
 
+def describe(recipe: MatmulRecipe) -> str:
+  """One line for the run summary."""
+  details = {'block_size': recipe.block_size or None, 'int8_backward': recipe.int8_backward or None,
+             'learned_scale': recipe.learned_scale or None,
+             'threshold': recipe.threshold if recipe.mode == 'llm_int8' else None}
+  extra = ', '.join(f'{k}={v}' for k, v in details.items() if v is not None)
+  return recipe.mode + (f' ({extra})' if extra else '')
+
+
 def _sizes(dims: dict[str, int]) -> str:
   return ', '.join(f'{k}={v}' for k, v in dims.items())

@@ -21,6 +21,7 @@ from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
 from quant.precision import Policy
+from quant.recipe import describe as describe_recipe
 from train import checks
 from train.checkpoint import Checkpointer
 from train.evaluate import evaluate, make_eval_step
@@ -112,6 +113,8 @@ def print_summary(s: Setup, memory: dict) -> None:
   compiled, estimated = memory['per_device_bytes'], memory['estimate_bytes']
   devices = jax.devices()
   print(f'config      {s.config.name}  (precision {s.policy.name}: {s.policy.description})')
+  quant = s.config.quant
+  print(f'quant       matmuls {describe_recipe(s.policy.matmul)}; Adam moments {quant.adam_bits}-bit')
   print(f'devices     {len(devices)} x {devices[0].platform} in {jax.process_count()} process(es); '
         f'mesh {dict(s.mesh.shape)}')
   print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
