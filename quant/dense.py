@@ -14,6 +14,7 @@ from flax import nnx
 from quant import lsq
 from quant.matmul import quantized_dot
 from quant.precision import Policy
+from quant.weights import QuantizedKernel
 
 
 def logical_param(value: jax.Array, axes: Sequence[str]) -> nnx.Param:
@@ -47,5 +48,9 @@ class Dense(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = self.policy.compute_dtype
     step_size = None if self.step_size is None else self.step_size[...]
-    return quantized_dot(x.astype(dtype), self.kernel[...].astype(dtype), len(self.in_features),
-                         self.policy.matmul, step_size)
+    if isinstance(self.kernel, QuantizedKernel):   # weight-only quantized storage (quant/weights.py)
+      kernel = self.kernel.dequantize(dtype)
+    else:
+      kernel = self.kernel[...].astype(dtype)
+    return quantized_dot(x.astype(dtype), kernel, len(self.in_features), self.policy.matmul,
+                         step_size)

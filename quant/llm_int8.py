@@ -11,6 +11,7 @@ This module owns the forward product, its straight-through gradient and the outl
 used to report how much of a layer took the 16-bit path. It does not own storage: the kernel is
 quantized on the fly from whatever dtype it is kept in.
 """
+import contextlib
 import functools
 import math
 
@@ -18,6 +19,23 @@ import jax
 import jax.numpy as jnp
 
 INT8_MAX = 127
+
+# Set by `recording_outliers()`: each traced product then reports (outlier columns, columns) from
+# the device as it runs (a layer of the scanned stack reports once per layer).
+_recorder: list | None = None
+
+
+@contextlib.contextmanager
+def recording_outliers():
+  """Collects (outlier columns, feature columns) of every LLM.int8() product traced inside the
+  `with` block and run afterwards (jit caches traced outside it do not record)."""
+  global _recorder
+  records, previous = [], _recorder
+  _recorder = records
+  try:
+    yield records
+  finally:
+    _recorder = previous
 
 
 def _check(x: jax.Array, kernel: jax.Array | None, n_in: int, threshold: float) -> None:
@@ -77,6 +95,9 @@ def _flat(x, kernel, n_in):
 def _forward(x, kernel, n_in, threshold, compute_dtype):
   x2, w2, out_shape = _flat(x, kernel, n_in)
   outliers = jnp.any(jnp.abs(x2) > threshold, axis=0)
+  if _recorder is not None:
+    records = _recorder
+    jax.debug.callback(lambda n, k=x2.shape[1]: records.append((int(n), k)), outliers.sum())
   acc, x_scale, w_scale = int8_part(x2, w2, outliers)
   int8_y = acc.astype(jnp.float32) * x_scale * w_scale
   x16 = jnp.where(outliers[None, :], x2.astype(compute_dtype), 0)

@@ -156,7 +156,7 @@ def dry_run(config, workdir: str) -> dict:
   return memory
 
 
-def _load_data(config):
+def load_data(config):
   root, files = data_lib.list_files(config.data.path)
   train_files, val_files = data_lib.split_files(root, files, config.data.val_fraction)
   tokenizer = data_lib.ByteTokenizer()
@@ -173,7 +173,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   """Train (or resume) in `workdir`; returns the last evaluation."""
   s = setup(config)
   train = config.train
-  tokenizer, train_tokens, val_tokens = _load_data(config)
+  tokenizer, train_tokens, val_tokens = load_data(config)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
                                   global_batch_size=train.batch_size, seed=train.seed, **process)

@@ -1,0 +1,126 @@
+"""Weight-only quantized storage of the dense kernels (post-training quantization, and loading a
+checkpoint quantized: what `load_in_8bit` / `load_in_4bit` do in transformers).
+
+A quantized kernel replaces the float `nnx.Param` of a `Dense` with a `QuantizedKernel` whose
+arrays are `QuantizedWeight` variables: not parameters, so they get neither gradients nor optimizer
+state, and what is stored (and what the compiled step takes as arguments) is the quantized bytes.
+The matmul dequantizes one layer's kernel to the compute dtype when it runs; inside the scanned
+stack that is one layer at a time.
+
+Formats (per layer of a stacked kernel, seen as a matrix [inputs, outputs]):
+  int8  one absmax scale per output channel; 1 byte per weight
+  int4  one absmax scale per group of 64 inputs of each output channel (fewer where 64 does not
+        divide the inputs); codes packed two per byte, because XLA:CPU stores jnp.int4 in a byte
+  nf4   QLoRA's NormalFloat-4: blocks of 64 consecutive values, double-quantized scales
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from quant.nf4 import NF4Tensor, dequantize_nf4, pack_4bit, quantize_nf4, unpack_4bit
+
+WEIGHT_FORMATS = ('int8', 'int4', 'nf4')
+GROUP = 64
+
+
+class QuantizedWeight(nnx.Variable):
+  """Quantized storage: frozen (not an nnx.Param)."""
+
+
+def _matrix_shape(shape, n_in):
+  return math.prod(shape[:n_in]), math.prod(shape[n_in:])
+
+
+def _quantize_int8(w, n_in):
+  m = w.astype(jnp.float32).reshape(_matrix_shape(w.shape, n_in))
+  scale = jnp.max(jnp.abs(m), axis=0) / 127
+  codes = jnp.round(m / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
+  return {'codes': codes, 'scale': scale}
+
+
+def _dequantize_int8(parts, shape, n_in):
+  return parts['codes'].astype(jnp.float32) * parts['scale']
+
+
+def _int4_group(inputs: int) -> int:
+  return math.gcd(inputs, GROUP)
+
+
+def _quantize_int4(w, n_in):
+  inputs, outputs = _matrix_shape(w.shape, n_in)
+  group = _int4_group(inputs)
+  m = w.astype(jnp.float32).reshape(inputs // group, group, outputs)
+  scale = jnp.max(jnp.abs(m), axis=1) / 7                                # [groups, outputs]
+  codes = jnp.clip(jnp.round(m / jnp.where(scale > 0, scale, 1.0)[:, None]), -8, 7)
+  return {'codes': pack_4bit((codes + 8).astype(jnp.uint8).reshape(-1)), 'scale': scale}
+
+
+def _dequantize_int4(parts, shape, n_in):
+  inputs, outputs = _matrix_shape(shape, n_in)
+  group = _int4_group(inputs)
+  codes = unpack_4bit(parts['codes']).astype(jnp.float32) - 8
+  return (codes.reshape(inputs // group, group, outputs) * parts['scale'][:, None]).reshape(
+      inputs, outputs)
+
+
+def _quantize_nf4(w, n_in):
+  t = quantize_nf4(w)
+  return {'codes': t.codes, 'scale': t.scale, 'scale_scale': t.scale_scale,
+          'scale_mean': t.scale_mean}
+
+
+def _dequantize_nf4(parts, shape, n_in):
+  return dequantize_nf4(NF4Tensor(**parts, shape=tuple(shape), dtype=jnp.dtype(jnp.float32),
+                                  block_size=64))
+
+
+_FORMATS = {'int8': (_quantize_int8, _dequantize_int8), 'int4': (_quantize_int4, _dequantize_int4),
+            'nf4': (_quantize_nf4, _dequantize_nf4)}
+
+
+def check_format(fmt: str) -> None:
+  if fmt not in _FORMATS:
+    raise ValueError(f'weight format {fmt!r}; allowed: {", ".join(WEIGHT_FORMATS)}')
+
+
+class QuantizedKernel(nnx.Module):
+  """A kernel [*in, *out] (with a leading `layers` axis when `stacked`) stored in `fmt`."""
+
+  def __init__(self, kernel: jax.Array, fmt: str, n_in: int, stacked: bool):
+    check_format(fmt)
+    self.fmt, self.n_in = fmt, n_in
+    self.shape = tuple(kernel.shape[1:] if stacked else kernel.shape)   # one layer's shape
+    quantize = _FORMATS[fmt][0]
+    parts = (jax.vmap(lambda w: quantize(w, n_in)) if stacked else
+             (lambda w: quantize(w, n_in)))(kernel)
+    self.part_names = tuple(parts)
+    for name, value in parts.items():
+      setattr(self, name, QuantizedWeight(value))
+
+  def dequantize(self, dtype) -> jax.Array:
+    """One layer's kernel (inside the scan the stacked axis is already sliced off) in `dtype`."""
+    parts = {name: getattr(self, name)[...] for name in self.part_names}
+    return _FORMATS[self.fmt][1](parts, self.shape, self.n_in).reshape(self.shape).astype(dtype)
+
+
+def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
+  """Replaces, in place, every float Dense kernel of `model` by its quantized storage."""
+  from quant.dense import Dense   # dense.py imports this module for QuantizedKernel
+  check_format(fmt)
+  denses = [m for _, m in nnx.iter_modules(model) if isinstance(m, Dense)
+            and not isinstance(m.kernel, QuantizedKernel)]
+  for dense in denses:
+    kernel = dense.kernel[...]
+    n_in = len(dense.in_features)
+    stacked = kernel.ndim > n_in + len(dense.out_features)
+    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked)
+  return model
+
+
+def stored_bytes(model: nnx.Module) -> dict[str, int]:
+  """Bytes held by the model: float parameters and quantized weights."""
+  def total(kind):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, kind)))
+  return {'params': total(nnx.Param), 'quantized': total(QuantizedWeight)}
