@@ -58,6 +58,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       int8_backward=False,                # int8: quantize the gradients of the matmuls too
       learned_scale=False,                # int4: learn the step sizes (LSQ) instead of absmax
       threshold=6.0,                      # llm_int8: |activation| above which a column is an outlier
+      fp8_scaling='current',              # fp8: 'current' (this tensor's absmax) or 'delayed' (history)
+      amax_history=16,                    # fp8 delayed: steps of absmax history
       adam_bits=32,                       # 32, or 8: Adam's moments block-wise quantized to 8 bits
       adam_block_size=2048,               # values per quantization block (256 or 2048)
   )

@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from quant import lsq
+from quant import fp8, lsq
 from quant.matmul import quantized_dot
 from quant.precision import Policy
 from quant.weights import QuantizedKernel
@@ -44,13 +44,16 @@ class Dense(nnx.Module):
     # LSQ: one learned int4 step size per output channel, sharded like the kernel's outputs.
     self.step_size = (logical_param(lsq.initial_step_size(kernel, n_in, bits=4), axes[n_in:])
                       if policy.matmul.learned_scale else None)
+    # fp8 delayed scaling: the amax history of (x, kernel, gradient), a parameter updated by the step.
+    self.amax_history = (fp8.new_history(policy.matmul.amax_history)
+                         if policy.matmul.delayed_scaling else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = self.policy.compute_dtype
-    step_size = None if self.step_size is None else self.step_size[...]
+    layer_state = next((v[...] for v in (self.step_size, self.amax_history) if v is not None), None)
     if isinstance(self.kernel, QuantizedKernel):   # weight-only quantized storage (quant/weights.py)
       kernel = self.kernel.dequantize(dtype)
     else:
       kernel = self.kernel[...].astype(dtype)
     return quantized_dot(x.astype(dtype), kernel, len(self.in_features), self.policy.matmul,
-                         step_size)
+                         layer_state)

@@ -3,14 +3,19 @@
 int8, int4 (absmax scales) and fp8 are Qwix's quantized-training dot_general: it quantizes both
 operands with absmax scales (per token for activations, per output channel or per tile for weights),
 multiplies the integer or fp8 values and rescales, and its custom gradient either reuses the
-unquantized operands (straight-through) or quantizes the incoming gradient too. LSQ int4 and
-LLM.int8() are ours (quant/lsq.py, quant/llm_int8.py): no library in JAX has them.
+unquantized operands (straight-through) or quantizes the incoming gradient too. LSQ int4, fp8 with
+delayed scaling and LLM.int8() are ours (quant/lsq.py, quant/fp8.py, quant/llm_int8.py): Qwix
+has no learned step sizes, no amax history, no outlier decomposition.
+
+`layer_state` is the Dense's own quantization parameter where the recipe has one: LSQ step sizes
+[*out], or the fp8 amax history [3, H].
 """
 import jax
 import jax.numpy as jnp
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 
 from quant import lsq
+from quant.fp8 import fp8_delayed_dot
 from quant.llm_int8 import llm_int8_dot
 from quant.recipe import MatmulRecipe
 
@@ -19,12 +24,12 @@ def _dims(x: jax.Array, n_in: int):
   return ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
 
 
-def _plain(x, kernel, n_in, recipe, step_size):
+def _plain(x, kernel, n_in, recipe, layer_state):
   return jax.lax.dot_general(x, kernel, _dims(x, n_in))
 
 
 def _qwix(config_for):
-  def dot(x, kernel, n_in, recipe, step_size):
+  def dot(x, kernel, n_in, recipe, layer_state):
     return dot_general_qt(x, kernel, _dims(x, n_in), config_for(recipe))
   return dot
 
@@ -49,11 +54,15 @@ def _fp8_config(r: MatmulRecipe) -> DotGeneralQtConfig:
                             drhs_grad_qtype=jnp.float8_e5m2)
 
 
-def _int4_learned(x, kernel, n_in, recipe, step_size):
-  return _plain(x, lsq.fake_quantize(kernel, step_size, n_in, bits=4), n_in, recipe, None)
+def _int4_learned(x, kernel, n_in, recipe, layer_state):
+  return _plain(x, lsq.fake_quantize(kernel, layer_state, n_in, bits=4), n_in, recipe, None)
 
 
-def _llm_int8(x, kernel, n_in, recipe, step_size):
+def _fp8_delayed(x, kernel, n_in, recipe, layer_state):
+  return fp8_delayed_dot(x, kernel, layer_state, n_in)
+
+
+def _llm_int8(x, kernel, n_in, recipe, layer_state):
   return llm_int8_dot(x, kernel, n_in, threshold=recipe.threshold, compute_dtype=x.dtype)
 
 
@@ -63,11 +72,12 @@ _PRODUCTS = {
     'int4': _qwix(_int4_config),
     'fp8': _qwix(_fp8_config),
     'llm_int8': _llm_int8,
+    'int4_learned': _int4_learned,
+    'fp8_delayed': _fp8_delayed,
 }
 
 
 def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
-                  step_size: jax.Array | None = None) -> jax.Array:
-  """x [..., *in] @ kernel [*in, *out] under `recipe`; `step_size` [*out] when scales are learned."""
-  product = _int4_learned if recipe.learned_scale else _PRODUCTS[recipe.mode]
-  return product(x, kernel, n_in, recipe, step_size)
+                  layer_state: jax.Array | None = None) -> jax.Array:
+  """x [..., *in] @ kernel [*in, *out] under `recipe`."""
+  return _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from configs.recipes import RECIPES, recipe_config
-from quant import lsq, scaling
+from quant import fp8, lsq, scaling
 from quant.matmul import quantized_dot
 from quant.recipe import MatmulRecipe
 from tests.helpers import tiny_config
@@ -113,19 +113,54 @@ def test_learned_step_sizes_receive_gradients_and_change():
   assert np.abs(after - before).min() > 0
 
 
-@pytest.fixture(scope='module')
-def one_device_losses():
-  return {}
+def test_fp8_delayed_scaling_takes_its_scales_from_the_history_and_returns_its_update():
+  x, w = _matrix(8, 64, seed=5), _matrix(64, 16, seed=6) / 10
+  cotangent = jax.random.normal(jax.random.key(7), (8, 16))
+  empty = jnp.zeros((3, 4))
+  y, pullback = jax.vjp(lambda x, w, h: fp8.fp8_delayed_dot(x, w, h, 1), x, w, empty)
+  _, _, update = pullback(cotangent)
+  # With nothing recorded, scales come from the tensors themselves; the update pushes their maxima.
+  amaxes = [jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(cotangent).max()]
+  np.testing.assert_allclose(update[:, 0], amaxes, rtol=1e-6)
+  np.testing.assert_array_equal(update[:, 1:], 0)
+  np.testing.assert_allclose(y, x @ w, rtol=0.1, atol=0.1 * float(jnp.abs(x @ w).max()))
+  # A history whose max is below the tensor's clips the tensor there (e4m3 max = 448).
+  history = empty.at[0, 2].set(1.0).at[1, 0].set(float(amaxes[1]))
+  clipped = fp8.fp8_delayed_dot(x, w, history, 1)
+  reference = fp8.fp8_delayed_dot(jnp.clip(x, -1, 1), w, history, 1)
+  np.testing.assert_array_equal(clipped, reference)
+  _, pullback = jax.vjp(lambda h: fp8.fp8_delayed_dot(x, w, h, 1), history)
+  (update,) = pullback(cotangent)
+  np.testing.assert_allclose(history + update, jnp.stack([
+      jnp.array([amaxes[0], 0, 0, 1.0]), jnp.array([amaxes[1], amaxes[1], 0, 0]),
+      jnp.array([amaxes[2], 0, 0, 0])]), rtol=1e-6)
+
+
+def test_fp8_histories_fill_one_entry_per_step_and_skip_adam():
+  config = config_for('fsdp', **{'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed'})
+  from train import run
+  from tests.test_layouts import batches
+  s = run.setup(config)
+  state = s.layout.init()
+  for batch in batches(3):
+    with s.context():
+      state, _ = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
+                                      for k, v in batch.items()})
+  history = np.asarray(state['params']['blocks']['mlp']['down']['amax_history'])
+  assert history.shape == (2, 3, 16)                  # [layers, (x, kernel, gradient), steps]
+  assert (history[:, :, :3] > 0).all() and (history[:, :, 3:] == 0).all()
+  # The kernel's recorded max is the max of the kernel it saw (before that step's update).
+  assert 0.5 < history[0, 1, 0] / history[0, 1, 2] < 2
 
 
 MODES = {'int8': {}, 'int8_backward': {'quant.int8_backward': True}, 'int4': {},
          'int4_learned': {'quant.learned_scale': True}, 'fp8': {}, 'llm_int8': {},
-         'int8_blocks': {'quant.block_size': 16}}
+         'int8_blocks': {'quant.block_size': 16}, 'fp8_delayed': {'quant.fp8_scaling': 'delayed'}}
 
 
 @pytest.mark.parametrize('name', sorted(MODES))
 def test_every_mode_trains_under_zero3_like_on_one_device(name):
-  mode = name.split('_')[0] if name != 'llm_int8' else 'llm_int8'
+  mode = 'llm_int8' if name == 'llm_int8' else name.split('_')[0]
   overrides = {'quant.mode': mode, **MODES[name]}
   sharded, s = losses(config_for('fsdp', **overrides))
   assert s.mesh.shape['fsdp'] == 8 and s.policy.matmul.mode == mode
@@ -151,6 +186,11 @@ def test_every_recipe_config_builds_its_policy(name):
     ({'quant.mode': 'llm_int8', 'quant.threshold': 0.0}, 'quant.threshold=0.0; allowed: a number > 0'),
     ({'quant.mode': 'fp8', 'quant.learned_scale': True}, 'applies to quant.mode=int4 only'),
     ({'quant.mode': 'none', 'quant.block_size': 32}, 'applies to modes int8, int4 and fp8'),
+    ({'quant.mode': 'fp8', 'quant.fp8_scaling': 'lagged'}, "allowed: current, delayed"),
+    ({'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed', 'precision': 'fp16'},
+     'cannot run under precision=.fp16.'),
+    ({'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed', 'quant.amax_history': 0},
+     'quant.amax_history=0; allowed: an integer >= 1'),
 ])
 def test_bad_quantization_settings_are_refused_naming_what_is_allowed(overrides, message):
   with pytest.raises(checks.ConfigError, match=message):

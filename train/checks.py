@@ -25,7 +25,12 @@ def policy(config) -> Policy:
   try:
     recipe = MatmulRecipe.from_config(config.quant)
     recipe.check_inputs(model_config(config).matmul_inputs())
-    return dataclasses.replace(get_policy(config.precision), matmul=recipe)
+    policy = get_policy(config.precision)
+    if recipe.delayed_scaling and policy.loss_scaling:
+      raise ValueError(f'quant.fp8_scaling=delayed cannot run under precision={policy.name!r}: its '
+                       f'history updates travel with the gradients, which loss scaling rescales; '
+                       f'use precision bf16_mixed or bf16')
+    return dataclasses.replace(policy, matmul=recipe)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

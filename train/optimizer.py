@@ -1,9 +1,10 @@
 """AdamW with linear warmup, cosine decay and global-norm clipping (optax); the moments in fp32
-(as the parameters' dtype) or in 8 bits (quant/adam8bit.py)."""
+(as the parameters' dtype) or in 8 bits (quant/adam8bit.py); fp8 amax histories beside it."""
 import jax
 import optax
 
 from quant.adam8bit import adamw_8bit
+from quant.fp8 import is_history
 
 ADAM_BITS = (32, 8)
 
@@ -34,8 +35,10 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048
-                   ) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
+                   amax_histories: bool = False) -> optax.GradientTransformation:
+  """AdamW with clipping. With `amax_histories` (fp8 delayed scaling), the histories' 'gradients'
+  are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam."""
   schedule = learning_rate_schedule(train_cfg)
   if adam_bits == 8:
     adam = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
@@ -44,4 +47,9 @@ def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048
   else:
     adam = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                        weight_decay=train_cfg.weight_decay, mask=weight_decay_mask)
-  return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adam)
+  tx = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adam)
+  if not amax_histories:
+    return tx
+  label = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: 'history' if is_history(path) else 'weights', params)
+  return optax.multi_transform({'weights': tx, 'history': optax.identity()}, label)

@@ -66,7 +66,8 @@ def setup(config, devices=None) -> Setup:
                       process_count=jax.process_count(),
                       tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
-  tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size)
+  tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
+                      amax_histories=policy.matmul.delayed_scaling)
   try:
     layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
   except ValueError as e:

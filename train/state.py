@@ -69,9 +69,12 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
 
   abstract = jax.eval_shape(init)
   whole = replicated(mesh)
+  # A multi_transform (fp8 histories beside Adam) leaves MaskedNode where a transform does not apply.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   opt_sharding = optax.tree_map_params(
-      tx, lambda leaf, sharding: _moment_sharding(leaf, sharding, mesh), abstract['opt_state'],
-      moment_sharding, transform_non_params=lambda _: whole, is_leaf=is_quantized_moment)
+      tx, lambda leaf, sharding: leaf if masked(leaf) else _moment_sharding(leaf, sharding, mesh),
+      abstract['opt_state'], moment_sharding, transform_non_params=lambda _: whole,
+      is_leaf=lambda x: is_quantized_moment(x) or masked(x))
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
