@@ -1,7 +1,7 @@
 """Train, dry-run or size a language model from a config file.
 
   python main.py --config=configs/default.py[:preset] [--config.key=value ...] [--workdir=DIR]
-                 [--host_devices=N] [--dry_run]
+                 [--host_devices=N] [--dry_run] [--plan --target=<N>x<GPU>]
                  [--coordinator_address=H:P --num_processes=N --process_id=I]
 """
 import datetime
@@ -19,6 +19,10 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default: a fresh
                                'Re-using one resumes from its latest checkpoint.')
 _HOST_DEVICES = flags.DEFINE_integer('host_devices', None, 'With no accelerator, simulate N CPU devices.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, report its memory, run nothing.')
+_PLAN = flags.DEFINE_bool('plan', False, 'Find the fastest recipe that fits --target (compiles on '
+                          'simulated CPU devices), and write it as a config file.')
+_TARGET = flags.DEFINE_string('target', None, 'With --plan: <N>x<GPU>, e.g. 8xA100-80GB, 64xH100-80GB, '
+                              '1xRTX4090-24GB, or <N>x<M>GB.')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-host: host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-host: number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index.')
@@ -26,9 +30,13 @@ _COORDINATOR_TIMEOUT = flags.DEFINE_integer('coordinator_timeout', 300, 'Multi-h
                                             'for every process to reach the coordinator.')
 
 
-def _init_jax(config) -> None:
+def _init_jax(config, plan_devices: int | None = None) -> None:
   """Device simulation and multi-host set-up; both must happen before JAX touches a backend."""
   import jax
+  if plan_devices:   # a plan compiles for the target's device count, on the CPU whatever is here
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', plan_devices)
+    return
   host_devices = _HOST_DEVICES.value if _HOST_DEVICES.value is not None else config.get('host_devices', 0)
   if not isinstance(host_devices, int) or host_devices < 0 or _HOST_DEVICES.value == 0:
     sys.exit(f'error: host_devices={host_devices!r}; it must be a positive integer')
@@ -123,7 +131,16 @@ def main(argv):
   if len(argv) > 1:
     sys.exit(f'error: unexpected arguments {argv[1:]}; config values are set as --config.key=value')
   logging.set_verbosity(logging.WARNING)  # orbax narrates every save at INFO
-  _init_jax(_CONFIG.value)
+  target = None
+  if _PLAN.value or _TARGET.value:
+    from plan.target import TargetError, parse_target
+    if not (_PLAN.value and _TARGET.value):
+      sys.exit('error: --plan and --target=<N>x<GPU> go together (e.g. --plan --target=8xA100-80GB)')
+    try:
+      target = parse_target(_TARGET.value)
+    except TargetError as e:
+      sys.exit(f'error: {e}')
+  _init_jax(_CONFIG.value, plan_devices=target.count if target else None)
   from data import DataError
   from train import checks, run
   from train.checkpoint import CheckpointError
@@ -133,8 +150,17 @@ def main(argv):
   if _WORKDIR.value is None and jax.process_count() > 1:
     sys.exit('error: --workdir is required with several processes (each would pick its own '
              'default folder); give every process the same shared path')
-  workdir = _WORKDIR.value or _default_workdir(config.name)
+  workdir = _WORKDIR.value or _default_workdir(
+      config.name if target is None else f'plan-{config.name}-{target}')
   try:
+    if target is not None:
+      from plan.report import run_plan
+      from plan.search import PlanError
+      try:
+        run_plan(config, target, workdir, ' '.join(['python', 'main.py', *sys.argv[1:]]))
+      except (PlanError, FileExistsError) as e:
+        sys.exit(f'error: {e}')
+      return
     if _DRY_RUN.value:
       run.dry_run(config, workdir)
     else:

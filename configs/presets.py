@@ -22,10 +22,15 @@ MODELS = {
     # Llama-2-70B shapes (grouped-query attention, 8 KV heads).
     '70b': dict(vocab_size=32000, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                 head_dim=128, mlp_dim=28672, max_seq_len=4096, tie_embeddings=False),
+    # Llama-3-405B (Llama 3.1) shapes: 126 layers, 128 query / 8 KV heads, 128k vocabulary.
+    '405b': dict(vocab_size=128256, d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+                 head_dim=128, mlp_dim=53248, max_seq_len=8192, tie_embeddings=False,
+                 rope_theta=500000.0),
 }
 
 # How each preset trains by default: global batch in sequences, sequence length, microbatches,
-# steps, peak learning rate, precision and remat. The large presets are set for 8 GPUs (70b: 64):
+# steps, peak learning rate, precision and remat. The large presets are set for 8 GPUs (70b: 64,
+# 405b: 512):
 # bf16 compute with fp32 master weights, full remat, and one sequence per device per microbatch.
 # Everything is overridable with --config.*.
 TRAIN_SHAPES = {
@@ -38,6 +43,8 @@ TRAIN_SHAPES = {
                precision='bf16_mixed', remat='full'),
     '70b': dict(batch_size=256, seq_len=4096, microbatches=4, steps=10000, learning_rate=1.5e-4,
                 precision='bf16_mixed', remat='full'),
+    '405b': dict(batch_size=512, seq_len=4096, microbatches=1, steps=10000, learning_rate=8e-5,
+                 precision='bf16_mixed', remat='full'),
 }
 
 

@@ -1,0 +1,19 @@
+"""Accelerators the planner knows (`--target=<N>x<GPU>`), from the vendors' datasheets.
+
+peak_bf16: dense bf16 tensor-core FLOP/s (no sparsity); hbm: memory bandwidth in bytes/s;
+intra_node: NVLink (or PCIe) bandwidth per GPU per direction in bytes/s; inter_node: network
+bandwidth per GPU in bytes/s (one 200/400 Gb/s NIC per GPU on the usual 8-GPU nodes);
+per_node: GPUs that share the intra-node link. A target of `<N>x<M>GB` takes an unnamed device with
+M GB (1e9 bytes) and H100's speeds.
+"""
+GB = 1e9
+
+GPUS = {
+    # name: memory bytes, peak bf16 FLOP/s, HBM bytes/s, intra-node bytes/s, inter-node bytes/s, GPUs per node
+    'A100-40GB': dict(memory=40 * GB, peak_bf16=312e12, hbm=1.56e12, intra_node=300e9, inter_node=25e9, per_node=8),
+    'A100-80GB': dict(memory=80 * GB, peak_bf16=312e12, hbm=2.04e12, intra_node=300e9, inter_node=25e9, per_node=8),
+    'H100-80GB': dict(memory=80 * GB, peak_bf16=989e12, hbm=3.35e12, intra_node=450e9, inter_node=50e9, per_node=8),
+    'H200-141GB': dict(memory=141 * GB, peak_bf16=989e12, hbm=4.8e12, intra_node=450e9, inter_node=50e9, per_node=8),
+    'L40S-48GB': dict(memory=48 * GB, peak_bf16=362e12, hbm=0.864e12, intra_node=32e9, inter_node=12.5e9, per_node=8),
+    'RTX4090-24GB': dict(memory=24 * GB, peak_bf16=165e12, hbm=1.01e12, intra_node=32e9, inter_node=3e9, per_node=8),
+}

@@ -1,0 +1,88 @@
+"""`main.py --plan`: print the ranked recipes, verify the fastest by compiling, and write the chosen
+one as a config file that runs as-is."""
+import datetime
+import json
+import os
+import pprint
+import subprocess
+import sys
+import tempfile
+
+from plan.search import MARGIN, apply, assumptions, plan
+from plan.target import Target
+
+TOP = 10
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gb(n: float) -> str:
+  return f'{n / 1e9:.1f} GB'
+
+
+def compile_total(config, devices: int) -> int | str:
+  """The compiled per-device total of `config`'s train step on `devices` simulated CPU devices, or
+  why it did not compile. Each compile is `main.py --dry_run` of the config file in a child
+  process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan down."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, 'candidate.py')
+    write_config(path, config, 'A plan candidate.')
+    env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3'}   # XLA's partitioner warnings, not ours
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={path}', '--dry_run',
+         f'--host_devices={devices}', f'--workdir={os.path.join(tmp, "w")}'],
+        cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+      lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+      failure = next((line for line in lines if line.startswith(('F', 'error:'))), lines[-1] if lines else '')
+      return f'did not compile ({failure.strip()[:160]})'
+    with open(os.path.join(tmp, 'w', 'memory.json')) as f:
+      return json.load(f)['per_device_bytes']['total']
+
+
+def write_config(path: str, config, header: str) -> None:
+  """A self-contained config file: the whole resolved config as data."""
+  if os.path.exists(path):
+    raise FileExistsError(f'{path} already exists; choose a new --workdir')
+  body = pprint.pformat(config.to_dict(), indent=1, width=100, sort_dicts=True)
+  with open(path, 'w') as f:
+    f.write(f'"""{header}\n"""\nimport ml_collections\n\nCONFIG = {body}\n\n\n'
+            f'def get_config(preset=None):\n  del preset   # the plan fixed the model\n'
+            f'  return ml_collections.ConfigDict(CONFIG)\n')
+
+
+def run_plan(config, target: Target, workdir: str, command: str) -> str:
+  """Returns the path of the written config."""
+  print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
+        f'{config.train.seq_len} tokens per step')
+  print(f'            {assumptions(target)}')
+  chosen, ranked = plan(config, target, lambda c: compile_total(c, target.count),
+                        log=lambda line: print(f'            {line}', flush=True))
+  print(f'\n| rank | recipe | estimate per device | step time (estimate) | compute | DP comm | TP comm '
+        f'| compiled per device |')
+  print('|---:|---|---:|---:|---:|---:|---:|---:|')
+  for i, c in enumerate(ranked[:TOP], 1):
+    s = c.seconds
+    compiled = (_gb(c.compiled) if isinstance(c.compiled, (int, float)) else
+                'not compiled' if c.compiled is None else 'failed')
+    print(f'| {i} | {c.recipe} | {_gb(c.estimate["total"])} | {s["total"]:.2f} s | '
+          f'{s["compute"]:.2f} s | {s["data_parallel_comm"]:.2f} s | {s["tensor_comm"]:.2f} s | '
+          f'{compiled} |')
+  tokens = config.train.batch_size * config.train.seq_len
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, 'planned_config.py')
+  planned = apply(config, chosen.recipe, target.count)
+  planned.name = f'planned:{config.name}@{target}'
+  planned.host_devices = 0
+  header = (f'Planned on {datetime.date.today()} by\n  {command}\n\n'
+            f'{chosen.recipe}\non {target}: compiled {_gb(chosen.compiled)} per device (estimate '
+            f'{_gb(chosen.estimate["total"])}; usable {_gb(target.memory * (1 - MARGIN))}), '
+            f'estimated {chosen.seconds["total"]:.2f} s per step, '
+            f'{tokens / chosen.seconds["total"]:,.0f} tokens/s.\n\n'
+            f'Run it on the target:  python main.py --config={path}\n'
+            f'Size it here:          python main.py --config={path} --dry_run '
+            f'--host_devices={target.count}')
+  write_config(path, planned, header)
+  print(f'\nchosen      {chosen.recipe}: compiled {_gb(chosen.compiled)} per device, estimated '
+        f'{chosen.seconds["total"]:.2f} s per step ({tokens / chosen.seconds["total"]:,.0f} tokens/s)')
+  print(f'config      {path}')
+  return path

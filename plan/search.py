@@ -1,0 +1,135 @@
+"""The planner: every recipe the target can run, the ones the analytic model says fit, ranked by
+estimated step time, the fastest verified by compiling its train step on simulated devices.
+
+A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches (plan/cost.py);
+the model, global batch and sequence length stay the config's. A recipe fits when its per-device
+total stays under the device memory less MARGIN (kept for the CUDA context, NCCL buffers and
+allocator fragmentation, which neither the compiler's figure nor the estimate sees).
+"""
+import dataclasses
+import itertools
+import time
+
+import ml_collections
+
+from memory.estimate import StepShape, estimate
+from plan.cost import MFU_ASSUMED, Recipe, step_seconds
+from plan.target import Target
+from quant.precision import get_policy
+from train import checks
+
+MARGIN = 0.10
+PRECISIONS = ('bf16_mixed', 'bf16')
+ADAM_BITS = (32, 8)
+REMATS = ('none', 'dots', 'full')
+MAX_COMPILES = 6
+
+
+class PlanError(ValueError):
+  pass
+
+
+@dataclasses.dataclass
+class Candidate:
+  recipe: Recipe
+  estimate: dict          # analytic bytes per device, by component
+  seconds: dict           # estimated step time, by component
+  compiled: int | str | None = None   # bytes per device, or why it did not compile
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
+  """The config with the recipe's settings (a copy)."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.precision = recipe.precision
+  config.quant.adam_bits = recipe.adam_bits
+  config.parallel.zero_stage = recipe.zero_stage
+  config.mesh = recipe.mesh(devices)
+  config.model.remat = recipe.remat
+  config.train.microbatches = recipe.microbatches
+  return config
+
+
+def recipes(config, target: Target) -> list[Recipe]:
+  cfg, n, batch = checks.model_config(config), target.count, config.train.batch_size
+  found = []
+  for t in _divisors(n):
+    if t > target.per_node or any(size % t for size in (
+        cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.mlp_dim)):
+      continue
+    dp = n // t
+    if batch % dp:
+      continue
+    for stage, m, precision, bits, remat in itertools.product(
+        range(4), _divisors(batch // dp), PRECISIONS, ADAM_BITS, REMATS):
+      if stage and dp > 1 and cfg.d_model % dp:   # ZeRO shards the embed dimension of every weight
+        continue
+      if stage and dp == 1:                        # nothing to shard over: the same as ZeRO-0
+        continue
+      if bits == 8 and t > 1:   # 8-bit moments are flattened into blocks, which tensor parallelism
+        continue                # would reshard every step (all-to-all); not offered until fixed
+      found.append(Recipe(precision, bits, stage, t, remat, m))
+  return found
+
+
+def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
+  cfg = checks.model_config(config)
+  policy = get_policy(recipe.precision)
+  dp = target.count // recipe.tensor
+  shape = StepShape(rows_per_device=config.train.batch_size // (dp * recipe.microbatches),
+                    seq_len=config.train.seq_len, fsdp=1 if recipe.zero_stage == 0 else dp,
+                    tensor=recipe.tensor, zero_stage=recipe.zero_stage,
+                    microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
+                    adam_block_size=config.quant.adam_block_size)
+  cfg = dataclasses.replace(cfg, remat=recipe.remat)
+  return Candidate(recipe, estimate(cfg, policy, shape),
+                   step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
+                                policy.param_bytes, policy.compute_bytes))
+
+
+def plan(config, target: Target, compile_total, log=print) -> tuple[Candidate, list[Candidate]]:
+  """(the chosen candidate, every candidate ranked). `compile_total(config) -> bytes` compiles a
+  config's train step on `target.count` simulated devices. Raises PlanError when nothing fits."""
+  budget = target.memory * (1 - MARGIN)
+  candidates = [evaluate(config, r, target) for r in recipes(config, target)]
+  if not candidates:
+    raise PlanError(f'no recipe can split batch {config.train.batch_size} over {target}: the '
+                    f'global batch must divide over the data-parallel devices')
+  fitting = sorted((c for c in candidates if c.estimate['total'] <= budget),
+                   key=lambda c: c.seconds['total'])
+  if not fitting:
+    closest = min(candidates, key=lambda c: c.estimate['total'])
+    need = closest.estimate['total']
+    raise PlanError(
+        f'nothing fits {target}: the smallest recipe ({closest.recipe}) needs an estimated '
+        f'{need / 1e9:.1f} GB per device, {need / budget:.2f}x the {budget / 1e9:.1f} GB usable '
+        f'({target.memory / 1e9:.0f} GB less {MARGIN:.0%} margin); use about '
+        f'{need / budget:.1f}x as many devices or a larger GPU')
+  log(f'{len(candidates)} recipes, {len(fitting)} fit by the estimate; compiling the fastest '
+      f'to verify (at most {MAX_COMPILES})')
+  for candidate in fitting[:MAX_COMPILES]:
+    started = time.time()
+    candidate.compiled = compile_total(apply(config, candidate.recipe, target.count))
+    seconds = f'{time.time() - started:.1f} s'
+    if isinstance(candidate.compiled, str):
+      log(f'  {candidate.recipe}: {candidate.compiled} ({seconds})')
+      continue
+    verdict = 'fits' if candidate.compiled <= budget else 'does NOT fit'
+    log(f'  {candidate.recipe}: estimate {candidate.estimate["total"] / 1e9:.1f} GB, compiled '
+        f'{candidate.compiled / 1e9:.1f} GB per device: {verdict} ({seconds})')
+    if candidate.compiled <= budget:
+      return candidate, fitting
+  raise PlanError(f'the {MAX_COMPILES} fastest recipes the estimate accepted all compile above the '
+                  f'{budget / 1e9:.1f} GB usable on {target}; the estimate is too optimistic here')
+
+
+def assumptions(target: Target) -> str:
+  return (f'assumptions: {target}: {target.memory / 1e9:.0f} GB, {target.peak_bf16 / 1e12:.0f} '
+          f'TFLOP/s bf16 peak at {MFU_ASSUMED:.0%} MFU, HBM {target.hbm / 1e12:.2f} TB/s, '
+          f'{target.intra_node / 1e9:.0f} GB/s intra-node and {target.inter_node / 1e9:.1f} GB/s '
+          f'inter-node per GPU, {target.per_node} GPUs per node; a recipe fits under '
+          f'{1 - MARGIN:.0%} of the memory; data-parallel collectives overlap with compute, '
+          f'tensor-parallel ones do not (plan/cost.py)')

@@ -1,0 +1,40 @@
+"""`--target=<N>x<GPU>`: how many devices of which kind (configs/hardware.py), or `<N>x<M>GB`."""
+import dataclasses
+import re
+
+from configs.hardware import GB, GPUS
+
+
+class TargetError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  count: int
+  name: str
+  memory: float          # bytes per device
+  peak_bf16: float       # FLOP/s
+  hbm: float             # bytes/s
+  intra_node: float      # bytes/s per GPU per direction
+  inter_node: float      # bytes/s per GPU
+  per_node: int
+
+  def __str__(self):
+    return f'{self.count}x{self.name}'
+
+
+def parse_target(text: str) -> Target:
+  match = re.fullmatch(r'(\d+)x(.+)', text or '')
+  if not match or int(match.group(1)) < 1:
+    raise TargetError(f'--target={text!r} is not <N>x<GPU>; e.g. 8xA100-80GB, 64xH100-80GB, '
+                      f'1xRTX4090-24GB, or 8x48GB for a custom memory size')
+  count, name = int(match.group(1)), match.group(2)
+  if name in GPUS:
+    return Target(count, name, **GPUS[name])
+  custom = re.fullmatch(r'(\d+(?:\.\d+)?)GB', name)
+  if custom:
+    speeds = {k: v for k, v in GPUS['H100-80GB'].items() if k != 'memory'}
+    return Target(count, name, memory=float(custom.group(1)) * GB, **speeds)
+  raise TargetError(f'unknown GPU {name!r} in --target={text!r}; known: {", ".join(GPUS)} '
+                    f'(or <M>GB for a custom memory size with H100 speeds)')
