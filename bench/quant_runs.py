@@ -1,19 +1,19 @@
-"""One table row per finished training run: its recipe, validation loss, throughput and the memory
-of its compiled train step, with the parameter and optimizer-state bytes read off the state layout.
+"""One table row per finished training run: its recipe, validation loss and the memory of its
+compiled train step, with the parameter and optimizer-state bytes read off the state layout.
+(Throughput is measured separately, by bench.train_step on an otherwise idle machine: a run's own
+tokens/s moves with whatever else the machine is doing.)
 
   python -m bench.quant_runs runs/default-run runs/q-bf16 runs/q-int8 ...
 """
 import json
 import os
-import statistics
 import sys
 
 
 def _last_eval(workdir: str) -> float:
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
-  return [r for r in rows if 'eval_loss' in r][-1]['eval_loss'], statistics.median(
-      r['tokens_per_sec'] for r in rows if 'tokens_per_sec' in r)
+  return [r for r in rows if 'eval_loss' in r][-1]['eval_loss']
 
 
 def _bytes(tree) -> int:
@@ -30,18 +30,18 @@ def main(workdirs: list[str]) -> None:
   from quant.recipe import describe
   from train import ptq, run
 
-  print('| run | precision | matmuls | Adam | validation loss (nats/byte) | tokens/s (median) '
+  print('| run | precision | matmuls | Adam | validation loss (nats/byte) '
         '| parameters (bytes/param) | optimizer state (bytes/param) | compiled total per device |')
-  print('|---|---|---|---|---:|---:|---:|---:|---:|')
+  print('|---|---|---|---|---:|---:|---:|---:|')
   for workdir in workdirs:
     config = ptq.run_config(workdir, default.get_config())
     s = run.setup(config, devices=jax.devices()[:1])
     with open(os.path.join(workdir, 'memory.json')) as f:
       memory = json.load(f)
     n = memory['num_params']
-    loss, tokens = _last_eval(workdir)
+    loss = _last_eval(workdir)
     print(f'| {os.path.basename(workdir.rstrip("/"))} | {s.policy.name} | {describe(s.policy.matmul)} '
-          f'| {config.quant.adam_bits}-bit | {loss:.4f} | {tokens:,.0f} '
+          f'| {config.quant.adam_bits}-bit | {loss:.4f} '
           f'| {_bytes(s.layout.abstract["params"]) / n:.3f} '
           f'| {_bytes(s.layout.abstract["opt_state"]) / n:.3f} '
           f'| {memory["per_device_bytes"]["total"] / 2**20:.1f} MiB |')

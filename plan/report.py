@@ -33,7 +33,8 @@ def compile_total(config, devices: int) -> int | str:
         cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
       lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-      failure = next((line for line in lines if line.startswith(('F', 'error:'))), lines[-1] if lines else '')
+      failure = next((line for line in lines if line.startswith(('F1', 'error:')) or 'Error:' in line),
+                     lines[-1] if lines else '')
       return f'did not compile ({failure.strip()[:160]})'
     with open(os.path.join(tmp, 'w', 'memory.json')) as f:
       return json.load(f)['per_device_bytes']['total']

@@ -72,8 +72,11 @@ def setup(config, devices=None) -> Setup:
     layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
+  # Per-device accumulation needs more than one data-parallel device (with one there is nothing to
+  # reduce, and XLA refuses the all-reduce of a manual shard_map over an axis of size 1 beside a
+  # tensor axis).
   local = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
-           if rules.grads_replicated else None)
+           if rules.grads_replicated and data_parallel_size(mesh) > 1 else None)
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, local)
   tokens_sharding = batch_sharding(mesh, rules.activations)
