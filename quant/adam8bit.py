@@ -6,6 +6,12 @@ value plus one fp32 scale per block). Tensors with fewer than `min_quantized_siz
 scales, biases) keep fp32 moments: they cost little and are the most sensitive. The first moment
 uses the signed code book, the second (never negative) the unsigned one, which spends all 256
 values on magnitudes.
+
+A moment is cut into blocks after moving its parameter's sharded dimension to the front
+(`block_axes`): that dimension is then the outermost of the flattening, so each device's slice of
+the parameter is one contiguous run of whole blocks, and no step has to reshard the gradients into
+blocks and back. (A parameter split along two dimensions, e.g. fsdp x tensor, is not contiguous
+either way; its blocks are resharded.)
 """
 import math
 from typing import NamedTuple
@@ -35,8 +41,10 @@ class ScaleByAdam8bitState(NamedTuple):
 
 
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                       block_size: int = 2048, min_quantized_size: int = 4096
-                       ) -> optax.GradientTransformation:
+                       block_size: int = 2048, min_quantized_size: int = 4096,
+                       block_axes=None) -> optax.GradientTransformation:
+  """`block_axes`: a tree like the parameters of the dimension each moment is blocked from (its
+  parameter's sharded dimension); None blocks every tensor from dimension 0."""
   if block_size not in BLOCK_SIZES:
     raise ValueError(f'quant.adam_block_size={block_size}; allowed: {", ".join(map(str, BLOCK_SIZES))}')
 
@@ -66,10 +74,11 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       nu = b2 * nu + (1 - b2) * jnp.square(g)
       return (mu / correction1) / (jnp.sqrt(nu / correction2) + eps), mu, nu
 
-    def one(g, mu_stored, nu_stored):
+    def one(g, mu_stored, nu_stored, axis):
       if not quantized(g):
         step, mu, nu = adam(g, mu_stored, nu_stored)
         return step.astype(g.dtype), mu, nu
+      g = jnp.moveaxis(g, axis, 0)   # a local transpose: the sharded dimension becomes outermost
       blocks = to_blocks(g, block_size)
       slices = math.gcd(blocks.shape[0], UPDATE_SLICES)
 
@@ -94,12 +103,15 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
            jax.tree.map(interleaved, nu_stored)))
       step = step.reshape(blocks.shape)
       mu_q, nu_q = (jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), q) for q in (mu_q, nu_q))
-      return from_blocks(step, g.shape), mu_q, nu_q
+      step = jnp.moveaxis(from_blocks(step, g.shape), 0, axis)
+      return step, mu_q, nu_q
 
     flat_updates, treedef = jax.tree.flatten(updates)
     flat_mu = jax.tree.leaves(state.mu, is_leaf=is_quantized_moment)
     flat_nu = jax.tree.leaves(state.nu, is_leaf=is_quantized_moment)
-    results = [one(g, m, v) for g, m, v in zip(flat_updates, flat_mu, flat_nu)]
+    flat_axes = ([0] * len(flat_updates) if block_axes is None else
+                 treedef.flatten_up_to(block_axes))
+    results = [one(g, m, v, a) for g, m, v, a in zip(flat_updates, flat_mu, flat_nu, flat_axes)]
     steps, mus, nus = zip(*results) if results else ((), (), ())
     return (jax.tree.unflatten(treedef, steps),
             ScaleByAdam8bitState(count, jax.tree.unflatten(treedef, mus),
@@ -109,9 +121,10 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 
 def adamw_8bit(learning_rate, b1: float, b2: float, weight_decay: float, mask,
-               block_size: int = 2048, eps: float = 1e-8) -> optax.GradientTransformation:
+               block_size: int = 2048, eps: float = 1e-8, block_axes=None
+               ) -> optax.GradientTransformation:
   """optax.adamw with the moments stored in 8 bits."""
   return optax.chain(
-      scale_by_adam_8bit(b1, b2, eps, block_size),
+      scale_by_adam_8bit(b1, b2, eps, block_size, block_axes=block_axes),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate))

@@ -8,6 +8,7 @@ import pytest
 from quant.adam8bit import scale_by_adam_8bit
 from quant.blockwise import dequantize_blockwise, dynamic_code, quantize_blockwise
 from tests.helpers import tiny_config
+from parallel.collectives import collective_stats
 from train import checks, run
 
 
@@ -110,6 +111,10 @@ def test_eight_bit_moments_shard_their_blocks_under_zero3_and_train():
       state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding) for k, v in batch.items()})
     losses.append(float(metrics['loss']))
   assert all(np.isfinite(losses))
+  # Blocked from the sharded (embed) dimension, each device's slice is whole blocks: the step moves
+  # no gradients into blocks across devices (before, every step had all-to-alls for this).
+  collectives = collective_stats(run.compile_train_step(s).as_text(), 8)
+  assert collectives['all-to-all']['count'] == 0
 
 
 @pytest.mark.parametrize('overrides, message', [

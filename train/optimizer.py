@@ -36,14 +36,15 @@ def weight_decay_mask(params):
 
 
 def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
-                   amax_histories: bool = False) -> optax.GradientTransformation:
+                   amax_histories: bool = False, block_axes=None) -> optax.GradientTransformation:
   """AdamW with clipping. With `amax_histories` (fp8 delayed scaling), the histories' 'gradients'
-  are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam."""
+  are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam.
+  `block_axes`: 8-bit moments only, the dimension each is blocked from (train/state.py)."""
   schedule = learning_rate_schedule(train_cfg)
   if adam_bits == 8:
     adam = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                       weight_decay=train_cfg.weight_decay, mask=weight_decay_mask,
-                      block_size=block_size)
+                      block_size=block_size, block_axes=block_axes)
   else:
     adam = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                        weight_decay=train_cfg.weight_decay, mask=weight_decay_mask)

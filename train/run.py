@@ -28,7 +28,7 @@ from train.evaluate import evaluate, make_eval_step
 from train.metrics import MetricsWriter
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
-from train.state import StateLayout, state_layout
+from train.state import StateLayout, moment_block_axes, state_layout
 from train.step import make_train_step
 
 
@@ -66,8 +66,10 @@ def setup(config, devices=None) -> Setup:
                       process_count=jax.process_count(),
                       tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
+  block_axes = (moment_block_axes(model, policy, mesh, rules, config.train.seed)
+                if config.quant.adam_bits == 8 else None)
   tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
-                      amax_histories=policy.matmul.delayed_scaling)
+                      amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes)
   try:
     layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
   except ValueError as e:

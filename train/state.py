@@ -31,12 +31,32 @@ class StateLayout:
   init: Callable[[], Any]  # jitted: creates the state already sharded
 
 
+def _mesh_axes(part) -> tuple[str, ...]:
+  return (part,) if isinstance(part, str) else tuple(part or ())
+
+
+def block_axis(sharding) -> int:
+  """The dimension an 8-bit moment is blocked from: its parameter's first sharded dimension."""
+  mesh = sharding.mesh
+  return next((i for i, part in enumerate(sharding.spec)
+               if math.prod(mesh.shape[a] for a in _mesh_axes(part)) > 1), 0)
+
+
+def moment_block_axes(model_cfg: ModelConfig, policy: Policy, mesh: Mesh, rules: LayoutRules,
+                      seed: int):
+  """Per parameter, the dimension its 8-bit moments are blocked from (quant/adam8bit.py)."""
+  abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, policy, seed))
+  axes = logical_axes_tree(nnx.split(abstract_model, nnx.Param)[1])
+  return jax.tree.map(block_axis, shardings_for(axes, mesh, rules.optimizer))
+
+
 def _moment_sharding(leaf, sharding, mesh: Mesh):
   """A moment is placed like its parameter; an 8-bit moment ([blocks, block] codes and [blocks]
-  scales) splits its blocks over the mesh axes that split the parameter, where they divide."""
+  scales, blocked from the parameter's first sharded dimension) splits its blocks over that
+  dimension's mesh axes, where they divide."""
   if not is_quantized_moment(leaf):
     return sharding
-  axes = tuple(a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part))
+  axes = _mesh_axes(sharding.spec[block_axis(sharding)]) if sharding.spec else ()
   ways = math.prod(mesh.shape[a] for a in axes)
   blocks = leaf['scale'].shape[0]
   spec = jax.sharding.PartitionSpec(axes if axes and blocks % ways == 0 else None)
