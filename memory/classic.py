@@ -13,12 +13,15 @@ Assumptions, all of them:
   parameters (8 d_model^2) of GPT-3's GELU MLP of width 4 * d_model, so a layer is 12 d_model^2
   parameters in both; rotary embeddings replace GPT-3's learned positions (2048 * d_model, under
   0.02 % of either large model).
-    1B    a GPT-3-family shape: d_model 2048, 18 layers, 16 heads of 128, MLP 5461, vocabulary
-          50257, sequences of 2048 (1.009B parameters);
-    175B  GPT-3: d_model 12288, 96 layers, 96 heads of 128, MLP 32768, vocabulary 50257, sequences
-          of 2048 (174.6B);
-    500B  MT-NLG 530B's width (d_model 20480, 128 heads of 160, MLP 54613, vocabulary 51200,
-          sequences of 2048) at 99 layers instead of its 105, which gives 499.3B.
+    1B    a GPT-3-family shape: d_model 2048, 18 layers, 16 heads of 128, MLP 5504, vocabulary
+          50304, sequences of 2048;
+    175B  GPT-3: d_model 12288, 96 layers, 96 heads of 128, MLP 32768, vocabulary 50304, sequences
+          of 2048;
+    500B  MT-NLG 530B's width (d_model 20480, 128 heads of 160, MLP 54784, vocabulary 51200,
+          sequences of 2048) at 99 layers instead of its 105.
+  MLP widths and vocabularies are rounded up (as Megatron pads GPT-2's 50257 to 50304) so that
+  every tensor's 8-bit Adam blocks divide over the ZeRO-3 devices; otherwise train/state.py keeps
+  that tensor's moments whole on every device, and the 8-bit rows would not show 8-bit Adam.
 - Storage is parameters times the format's bytes per value (quant/formats.py): 4 fp32, 2 bf16/fp16,
   1 int8, 0.5 int4/NF4. Like the classic, it leaves out quantization scales (int8 per channel adds
   4 / d_model bytes per weight; NF4 with double-quantized block scales is 0.516 bytes per weight).
@@ -51,12 +54,12 @@ SEQ_LEN = 2048
 CLASSIC_ACTIVATION_BYTES_PER_PARAM = 8
 
 MODELS = {
-    '1B': ModelConfig(vocab_size=50257, d_model=2048, num_layers=18, num_heads=16, num_kv_heads=16,
-                      head_dim=128, mlp_dim=5461, max_seq_len=SEQ_LEN),
-    '175B': ModelConfig(vocab_size=50257, d_model=12288, num_layers=96, num_heads=96,
+    '1B': ModelConfig(vocab_size=50304, d_model=2048, num_layers=18, num_heads=16, num_kv_heads=16,
+                      head_dim=128, mlp_dim=5504, max_seq_len=SEQ_LEN),
+    '175B': ModelConfig(vocab_size=50304, d_model=12288, num_layers=96, num_heads=96,
                         num_kv_heads=96, head_dim=128, mlp_dim=32768, max_seq_len=SEQ_LEN),
     '500B': ModelConfig(vocab_size=51200, d_model=20480, num_layers=99, num_heads=128,
-                        num_kv_heads=128, head_dim=160, mlp_dim=54613, max_seq_len=SEQ_LEN),
+                        num_kv_heads=128, head_dim=160, mlp_dim=54784, max_seq_len=SEQ_LEN),
 }
 DEVICES = {'1B': 8, '175B': 64, '500B': 512}   # the fsdp axis under ZeRO-3
 

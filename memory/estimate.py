@@ -1,25 +1,91 @@
 """Analytic per-device memory of a train step: parameters, gradients, optimizer state, activations.
 
-A first model, stated so it can be checked against the compiler (memory.json holds both):
+It predicts XLA's compiled figure for one device (arguments + outputs - donated + temp,
+`memory.compiled`); `python -m bench.memory_matrix [--large]` compares the two over layouts,
+precisions, remat policies, Adam widths and microbatch counts, and `tests/test_estimate.py` pins
+the agreement. Every term below was read off XLA's buffer assignment of such compiles (the
+`--xla_dump_to` buffer-assignment and live-range dumps: which buffers are live at the peak).
+
+Model state (the step's arguments, and the gradients, which live through the whole step):
 - parameters are stored in the policy's param dtype, split `tensor` ways (tensor parallelism
   splits every matmul weight and the vocabulary; the norm scales it does not split are negligible)
   and `fsdp` ways under ZeRO-3;
 - gradients have the parameters' size and dtype (they are accumulated in it), split `fsdp` ways
-  under ZeRO-2 and 3;
+  under ZeRO-2 and 3; with microbatches the gradients of the microbatch in flight are a second
+  copy beside the accumulator (in `temporaries`);
 - AdamW keeps two moments of the same size and dtype, split `fsdp` ways under ZeRO-1, 2 and 3;
-  with 8-bit moments, one byte per value plus an fp32 scale per block, except the norm scales
-  (too small to quantize), which stay fp32;
-- activations: what the backward pass keeps for one microbatch on one device, per layer, given the
-  remat policy, plus the fp32 logits, their softmax and gradient, and one layer's working set that
-  is rebuilt during the backward pass when remat is on. Tensor parallelism splits the attention
-  and MLP activations and the logits; the residual stream stays whole.
+  with 8-bit moments, one byte per value (padded to whole blocks) plus an fp32 scale per block for
+  every tensor of 4096 values or more (quant/adam8bit.py), split over the mesh axes of the
+  parameter's first sharded dimension where they divide its blocks and whole on every device where
+  they do not (train/state.py); smaller tensors keep fp32 moments.
+
+The rest is the largest of three phases, each holding the gradients and whatever it adds:
+- the head's backward pass (`activations`: the saved activations, the fp32 logits and their fp32
+  gradient, the compute-dtype gradient the head's matmul takes, and the final norm's four fp32
+  d_model rows; `temporaries`: the vocabulary copies below);
+- the layers' backward pass, one layer at a time (`activations`: the saved activations and the
+  layer's working set below; `temporaries`: the layer's weight gradient, the vocabulary buffers
+  still held);
+- the optimizer update (`update`, counted only where it exceeds the larger backward phase): one
+  fp32 buffer of the (optimizer-sharded) parameters' size between the moments and the new
+  weights, plus, with 16-bit weights, a copy of the weights and moments as they are rewritten.
+  8-bit moments instead keep a full-size fp32 step buffer per quantized tensor, the carry of the
+  update loop, which XLA allocates when the step starts (so it is in the other phases too), and the
+  update chain after the loop (weight decay, learning rate) holds two fp32 buffers of the largest
+  tensor, being run tensor by tensor.
+
+Saved activations, per token per layer (`saved_per_token_per_layer`). Without remat: 6 d_model rows
+(4 fp32 inside the two RMSNorms, 2 normed outputs in the compute dtype), query and attention output
+(heads x head_dim each), key and value (kv_heads x head_dim each), the fp32 attention scores and the
+probabilities (heads x length each), 6 mlp_dim rows of the SwiGLU. `full` keeps the residual
+stream; `dots` also the outputs of the matmuls without batch dimensions (query, key, value, gate,
+up) and one more d_model row; `qkv` the residual stream, query, key and value. Tensor parallelism
+splits all but the d_model rows. The layers are scanned, so every layer's saved values are stacked
+and stay allocated until the backward scan ends.
+
+One layer's backward working set (`layer_backward_bytes`): a layer's worth of un-rematerialised
+activations (the slices of the saved stacks, or under remat the recomputed forward values) at the
+larger of two points: the MLP's (its rows, plus three fp32 mlp_dim gradients where they were
+recomputed) or the attention's (the fp32 gradient of the probabilities). Under tensor parallelism
+the attention and MLP outputs exist twice, as partial sums and after their all-reduce. Where the
+weights outweigh the activations (small batches) the peak is instead at the weights: the layer's
+weights and their gradient (or under ZeRO-2/3 the gradient before and after its reduction).
+
+The vocabulary (`vocab_bytes`): the head multiplies by an fp32 table that is not the parameter
+(ZeRO-3's gathered copy, or XLA:CPU's copy of the compute-dtype cast). With sharded gradients
+(ZeRO-2/3) the head's and the lookup's gradients exist full-size until their reduce-scatter, which
+XLA places at the end of the backward pass. With microbatches, loop-invariant copies (gathered
+tables, casts) are hoisted out of the microbatch loop and stay for the whole step.
+
+XLA:CPU (`backend='cpu'`, the only backend this model has been checked against; the dry run and the
+simulated devices compile for it) has no bf16 matmul (it has fp16 ones): it converts the operands
+of every bf16 dot to fp32 (`upcasts`). Because the converts of loop-invariant operands are hoisted
+out of the layer scan, at the backward peak every saved activation is held in fp32, the stacked
+layer weights get an fp32 copy (of the saved compute-dtype cast without remat, or of the weights
+themselves when they are stored in bf16 and not gathered layer by layer), the attention backward
+holds an fp32 copy of the probabilities, and recomputed bf16 values partly exist twice (taken as
+the mean of the bf16 and fp32 sizes: the measured working set of bf16 layers is 0.8x the fp32
+one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them, and is
+not checked against a compile.
+
+Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
+within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed
+scaling (-6 %); fp16 with loss scaling compiles 12-18 % above it (the overflow select keeps the old
+state, so the layer scans take their own copies of the stacked weights); 8-bit moments under
+tensor parallelism, whose blocks XLA reshards, up to 12 % above at 7B (fsdp_tp) and 35-45 % at
+tiny, state-dominated shapes. XLA's heap fragmentation is not modelled either: the compiled temp
+was within 1 % of the largest live set in every compile examined.
 """
 import dataclasses
+import math
+
+import jax.numpy as jnp
 
 from models.config import ModelConfig
 from quant.precision import Policy
 
 FP32 = 4
+QUANTIZED_MIN_SIZE = 4096   # quant/adam8bit.py: smaller tensors keep fp32 moments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,76 +98,279 @@ class StepShape:
   microbatches: int = 1
   adam_bits: int = 32
   adam_block_size: int = 2048
+  backend: str = 'cpu'   # the platform compiled for: 'cpu' adds XLA:CPU's fp32 copies (see above)
 
   def shards(self, from_stage: int) -> int:
     """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
     return self.tensor * (self.fsdp if self.zero_stage >= from_stage else 1)
 
+  @property
+  def tokens(self) -> int:
+    """Tokens one device runs through the model per microbatch."""
+    return self.rows_per_device * self.seq_len
 
-def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int) -> dict[str, float]:
-  """Bytes one token leaves behind in one layer for the backward pass, with no remat."""
-  c = policy.compute_bytes
-  qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-  return {
-      'residual_and_norms': 4 * cfg.d_model * c + 2 * cfg.d_model * FP32,  # inputs, normed, fp32 norm math
-      'qkv': 2 * qkv * c,                                  # projections before and after rotary
-      'attention_scores': 2 * cfg.num_heads * seq_len * c,  # logits and softmax probabilities
-      'attention_out': cfg.num_heads * cfg.head_dim * c,
-      'mlp': 4 * cfg.mlp_dim * c,                          # gate, up, silu(gate), product
+  @property
+  def gathers_params(self) -> bool:
+    """ZeRO-3 over more than one device: weights are all-gathered where they are used."""
+    return self.zero_stage >= 3 and self.fsdp > 1
+
+
+def upcasts(policy: Policy, backend: str) -> bool:
+  """XLA:CPU converts the operands of bf16 matmuls to fp32 (it has fp16 ones, not bf16)."""
+  return backend == 'cpu' and jnp.dtype(policy.compute_dtype) == jnp.bfloat16
+
+
+def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int = 1,
+                              remat: str = 'none', backend: str = 'cpu') -> dict[str, float]:
+  """Bytes one token leaves behind in one layer for the backward pass under `remat`."""
+  c = FP32 if upcasts(policy, backend) else policy.compute_bytes   # XLA:CPU holds them in fp32
+  d, hd = cfg.d_model, cfg.head_dim
+  q, kv = cfg.num_heads * hd / tensor, cfg.num_kv_heads * hd / tensor
+  scores, mlp = cfg.num_heads * seq_len / tensor, cfg.mlp_dim / tensor
+  if remat == 'none':
+    return {
+        'residual_and_norms': 4 * d * FP32 + 2 * d * c,   # fp32 norm inputs, normed outputs
+        'qkv': (2 * q + 2 * kv) * c,                       # query, key, value, attention output
+        'attention_scores': scores * (FP32 + c),           # fp32 scores, probabilities
+        'mlp': 6 * mlp * c,                                # SwiGLU's gate, up and their products
+    }
+  kept = {
+      'full': {'residual_and_norms': d * c},
+      'dots': {'residual_and_norms': 2 * d * c, 'qkv': (q + 2 * kv) * c, 'mlp': 2 * mlp * c},
+      'qkv': {'residual_and_norms': d * c, 'qkv': (q + 2 * kv) * c},
   }
+  return kept[remat]
 
 
-def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  tokens = shape.rows_per_device * shape.seq_len
-  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len)
-  saved = {k: v if k == 'residual_and_norms' else v / shape.tensor for k, v in saved.items()}
-  full_layer = sum(saved.values())
-  carry = cfg.d_model * policy.compute_bytes              # the residual stream between layers
-  kept_by_policy = {
-      'none': full_layer,
-      'full': carry,
-      'dots': carry + (saved['qkv'] + saved['attention_out'] + saved['mlp']) * 3 / 4,
-      'qkv': carry + saved['qkv'] / 2,
-  }[cfg.remat]
-  rebuilt = 0 if cfg.remat == 'none' else full_layer       # one layer recomputed at a time
-  # The backward pass of attention holds, besides what was saved, two fp32 [heads, length] rows per
-  # token (the gradients of the probabilities and of the scores); fitted to XLA's compiled
-  # temporaries at 1k-4k tokens, where these rows dominate.
-  attention_backward = 2 * cfg.num_heads * shape.seq_len * FP32 / shape.tensor
-  logits = 3 * cfg.vocab_size * FP32 / shape.tensor        # logits, softmax, their gradient
-  return tokens * (cfg.num_layers * kept_by_policy + rebuilt + attention_backward + logits)
+def _vocab_matrices(cfg: ModelConfig) -> int:
+  return 1 if cfg.tie_embeddings else 2
 
 
-def temporary_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """Buffers that are neither state nor activations: under ZeRO-3 the gathered weights of the
-  layer in use and of the next one (gathered ahead), and the embedding and output head while they
-  are used; with microbatches, one microbatch's gradients beside the accumulator."""
-  p = policy.param_bytes
-  gathered = 0
-  if shape.zero_stage >= 3 and shape.fsdp > 1:
-    head = 0 if cfg.tie_embeddings else cfg.embedding_params
-    gathered = (2 * cfg.params_per_layer + cfg.embedding_params + head) * p / shape.tensor
-  microbatch_grads = cfg.num_params * p / shape.shards(from_stage=2) if shape.microbatches > 1 else 0
-  return gathered + microbatch_grads
+def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
+  """(values, ways) of each parameter tensor as stored (the layers stacked on a leading axis):
+  `ways` is how many ways its 8-bit moments split, the mesh axes of the parameter's first sharded
+  dimension in the optimizer's layout (train/state.py blocks the moments from that dimension)."""
+  d, L, m = cfg.d_model, cfg.num_layers, cfg.mlp_dim
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  f = shape.fsdp if shape.zero_stage >= 1 else 1   # the embed dimension, from ZeRO-1 on
+  t = shape.tensor                                 # heads, kv_heads, mlp and vocab
+  first = lambda *ways: next((w for w in ways if w > 1), 1)
+  layers = [(d * q, first(f, t)), (d * kv, first(f, t)), (d * kv, first(f, t)),
+            (q * d, first(t, f)), (d * m, first(f, t)), (d * m, first(f, t)), (m * d, first(t, f)),
+            (d, f), (d, f)]
+  vocab = [(cfg.embedding_params, first(t, f))]           # [vocab, embed]
+  if not cfg.tie_embeddings:
+    vocab.append((cfg.embedding_params, first(f, t)))    # the head: [embed, vocab]
+  return vocab + [(L * n, ways) for n, ways in layers] + [(d, f)]
+
+
+def param_leaf_sizes(cfg: ModelConfig) -> list[int]:
+  """Values in each parameter tensor as stored (the layers stacked on a leading axis)."""
+  return [n for n, _ in param_leaves(cfg, StepShape(rows_per_device=1, seq_len=1))]
 
 
 def moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes of one Adam moment for the whole model."""
   if shape.adam_bits == 32:
     return cfg.num_params * policy.param_bytes
-  norms = (2 * cfg.num_layers + 1) * cfg.d_model
-  return (cfg.num_params - norms) * (1 + FP32 / shape.adam_block_size) + norms * FP32
+  total = 0
+  for n in param_leaf_sizes(cfg):
+    if n >= QUANTIZED_MIN_SIZE:
+      blocks = math.ceil(n / shape.adam_block_size)
+      total += blocks * shape.adam_block_size + blocks * FP32   # codes, padded; a scale per block
+    else:
+      total += n * FP32
+  return total
+
+
+def _moment_ways(n: int, ways: int, shape: StepShape) -> int:
+  """Ways an 8-bit moment of n values is split: its blocks go over `ways` where they divide
+  evenly, and stay whole on every device where they do not (train/state.py)."""
+  return ways if math.ceil(n / shape.adam_block_size) % ways == 0 else 1
+
+
+def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Bytes of both Adam moments on one device."""
+  if shape.adam_bits == 32:
+    return 2 * moment_bytes(cfg, policy, shape) / shape.shards(from_stage=1)
+  total = 0
+  for n, ways in param_leaves(cfg, shape):
+    if n >= QUANTIZED_MIN_SIZE:
+      blocks = math.ceil(n / shape.adam_block_size)
+      total += (blocks * shape.adam_block_size + blocks * FP32) / _moment_ways(n, ways, shape)
+    else:
+      total += n * FP32 / ways
+  return 2 * total
+
+
+def step_buffer_bytes(cfg: ModelConfig, shape: StepShape) -> float:
+  """The 8-bit update loop's fp32 step buffers on one device: one per quantized tensor, laid out
+  (and split) like its moment."""
+  if shape.adam_bits == 32:
+    return 0
+  b = shape.adam_block_size
+  return sum(math.ceil(n / b) * b * FP32 / _moment_ways(n, ways, shape)
+             for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
+
+
+def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """The activations every layer saves for the backward pass (stacked over layers)."""
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
+                                    shape.backend)
+  return shape.tokens * cfg.num_layers * sum(saved.values())
+
+
+def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """One layer's backward working set: activation-shaped buffers and weight-shaped ones.
+
+  The activations are one layer's un-rematerialised set (the slices of the saved stacks, or under
+  remat the recomputed forward values) plus the gradients being formed, at whichever point of the
+  layer's backward holds more: the MLP's (the SwiGLU rows, and three fp32 gradients of mlp_dim
+  where they were recomputed) or the attention's (the gradient of the probabilities)."""
+  if cfg.remat == 'none' or not upcasts(policy, shape.backend):
+    layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none',
+                                      shape.backend)
+  else:
+    # Recomputed in bf16; on CPU about half of those values (the matmul operands) also exist as
+    # the fp32 copies its matmuls take.
+    gpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
+    cpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'cpu')
+    layer = {k: (gpu[k] + cpu[k]) / 2 for k in gpu}
+  common = layer['residual_and_norms'] + layer['qkv'] + layer['attention_scores']
+  if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
+    common += 2 * cfg.d_model * FP32
+  # Where the MLP's matmul outputs are recomputed (remat full, qkv), its three fp32 gradients of
+  # mlp_dim come on top of the recomputed values; where they are saved (no remat, dots), the
+  # gradients take the place of the slices of the saved stacks already consumed.
+  recomputed_mlp = cfg.remat in ('full', 'qkv')
+  mlp_point = layer['mlp'] + (3 * cfg.mlp_dim / shape.tensor * FP32 if recomputed_mlp else 0)
+  # The fp32 gradient of the attention probabilities; on CPU with bf16 compute also an fp32 copy
+  # of the probabilities, the operand of the two matmuls that take them.
+  copies = 2 if upcasts(policy, shape.backend) else 1
+  attention_point = copies * cfg.num_heads * shape.seq_len * FP32 / shape.tensor
+  weights = (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor
+  # The layer's weight gradient (fp32 on CPU, where bf16 matmuls run in fp32).
+  weight_bytes = FP32 if upcasts(policy, shape.backend) else policy.param_bytes
+  return {'activations': shape.tokens * (common + max(mlp_point, attention_point)),
+          'weights': weights * weight_bytes}
+
+
+def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """The layer backward's peak: where its activations peak (with one layer's weight gradient),
+  or where its weights do (the weights and their gradient, or under ZeRO-2/3 the gradient before
+  and after its reduction), whichever is larger."""
+  layer = layer_backward_bytes(cfg, policy, shape)
+  if layer['activations'] >= layer['weights']:
+    return layer
+  return {'activations': 0, 'weights': 2 * layer['weights']}
+
+
+def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """XLA:CPU's fp32 copy of the stacked layer weights, converted once for the whole stack (the
+  convert of a loop-invariant operand is hoisted out of the layer scan), where the matmuls run in
+  bf16: of the weights themselves when they are stored in bf16 and neither gathered nor split
+  layer by layer (ZeRO-3 gathers, and converts, one layer at a time; under tensor parallelism too
+  XLA was seen to convert inside the scan), or else, without remat, of the bf16 cast that the
+  forward pass saved for the backward."""
+  if not upcasts(policy, shape.backend):
+    return 0
+  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
+    return weights * FP32
+  if cfg.remat == 'none':
+    return weights * FP32 / shape.shards(from_stage=3)
+  return 0
+
+
+def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """Full-size vocabulary buffers besides the state: in the head's backward pass, and the ones
+  still held while the layers run backward."""
+  table = cfg.embedding_params * FP32 / shape.tensor
+  cpu_bf16 = upcasts(policy, shape.backend)
+  # The head multiplies by an fp32 table that is not the parameter: gathered, or the CPU's copy.
+  table_copy = int(shape.gathers_params or cpu_bf16)
+  # With sharded gradients, the head's and the lookup's full-size gradients wait for their
+  # reduce-scatter until the end of the backward pass.
+  full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1)
+  # With microbatches, loop-invariant copies are hoisted out of the microbatch loop and stay for
+  # the whole step. Under ZeRO-3: the gathered tables, i.e. the lookup's and the head's, and on CPU
+  # with bf16 compute the head's as two fp32 copies, of its cast and in the transposed layout its
+  # matmul takes (a tied table stored in bf16 shares the lookup's copy). Otherwise the fp32 copy
+  # of the head's cast (CPU, bf16 compute).
+  hoisted = 0
+  if shape.microbatches > 1:
+    if shape.gathers_params and cpu_bf16:
+      hoisted = 3 - int(cfg.tie_embeddings and policy.param_bytes < FP32)
+    elif shape.gathers_params:
+      hoisted = _vocab_matrices(cfg)
+    else:   # on one tensor shard a tied table is also laid out transposed for the head
+      hoisted = int(cpu_bf16) * (1 + int(cfg.tie_embeddings and shape.tensor == 1))
+  head = (max(table_copy, hoisted) + full_grads) * table
+  held = (hoisted + 2 * full_grads) * table
+  # At the end of the backward pass the two full-size gradients are summed and reduced (on CPU an
+  # all-reduce, then each device keeps its slice), its input and output beside them.
+  reduction = (hoisted + 4 * full_grads) * table
+  logits = shape.tokens * cfg.vocab_size / shape.tensor * (
+      2 * FP32 + (policy.compute_bytes if policy.compute_bytes < FP32 else 0))
+  # The final norm's input and output and their gradients, fp32.
+  logits += 4 * shape.tokens * cfg.d_model * FP32
+  return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
+
+
+def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """The optimizer update's buffers besides the state and the gradients: `step` (8-bit only)
+  lives through the whole step, `chain` only while the update runs."""
+  ways = shape.shards(from_stage=1)
+  if shape.adam_bits == 32:
+    # The update in fp32; weights and moments stored in 16 bits are also copied as they are
+    # rewritten (XLA:CPU computes in fp32 and converts back).
+    p = policy.param_bytes
+    return {'step': 0, 'chain': cfg.num_params * (FP32 + (p if p < FP32 else 0)) / ways}
+  # The chain after the 8-bit loop runs tensor by tensor: the largest one's fp32 step and update.
+  largest = max(n * FP32 / _moment_ways(n, ways, shape)
+                for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
+  return {'step': step_buffer_bytes(cfg, shape), 'chain': 2 * largest}
+
+
+def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """With 16-bit weights and 32-bit Adam, optax forms the new first moment in fp32 (from the
+  fp32 hyper-parameters) and train/step.py's state keeps it 16-bit only by a cast at the end.
+  Under ZeRO, XLA computes the part that needs no gradient (b1 * m) early and keeps that fp32
+  moment shard live through the backward pass (measured: 3.14 GiB at 7B ZeRO-3, with 1 and with 4
+  microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing."""
+  if shape.adam_bits != 32 or policy.param_bytes >= FP32 or shape.zero_stage == 0:
+    return 0
+  return cfg.num_params * FP32 / shape.shards(from_stage=1)
 
 
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """Bytes per device by part (see the module docstring); `total` is their sum."""
   n = cfg.num_params
   p = policy.param_bytes
+  params = n * p / shape.shards(from_stage=3)
+  grads = n * p / shape.shards(from_stage=2)
+  optimizer = optimizer_bytes(cfg, policy, shape)
+  saved = activation_bytes(cfg, policy, shape)
+  microbatch_grads = grads if shape.microbatches > 1 else 0
+  layer = layer_phase_bytes(cfg, policy, shape)
+  vocab = vocab_bytes(cfg, policy, shape)
+  update = update_bytes(cfg, policy, shape)
+  # Held in both backward phases besides gradients and saved activations.
+  common = microbatch_grads + cpu_weight_copies(cfg, policy, shape) + update['step']
+  head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
+  layer_phase = {'activations': saved + layer['activations'],
+                 'temporaries': common + layer['weights'] + vocab['held']}
+  reduction_phase = {'activations': 0, 'temporaries': common + vocab['reduction']}
+  backward = max(head_phase, layer_phase, reduction_phase, key=lambda phase: sum(phase.values()))
+  # The update holds the gradients and the update's buffers; the activations are gone by then.
+  update_phase = update['step'] + update['chain']
   parts = {
-      'params': n * p / shape.shards(from_stage=3),
-      'grads': n * p / shape.shards(from_stage=2),
-      'optimizer': 2 * moment_bytes(cfg, policy, shape) / shape.shards(from_stage=1),
-      'activations': activation_bytes(cfg, policy, shape),
-      'temporaries': temporary_bytes(cfg, policy, shape),
+      'params': params,
+      'grads': grads,
+      'optimizer': optimizer,
+      **backward,
+      'update': max(0, update_phase - sum(backward.values())),
+      'moment_fp32': fp32_moment_bytes(cfg, policy, shape),
   }
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())

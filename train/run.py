@@ -102,7 +102,8 @@ def memory_report(s: Setup, compiled) -> dict:
   shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
                     zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
                     adam_bits=s.config.quant.adam_bits,
-                    adam_block_size=s.config.quant.adam_block_size)
+                    adam_block_size=s.config.quant.adam_block_size,
+                    backend=s.mesh.devices.flat[0].platform)
   return {
       'num_params': s.model.num_params,
       'mesh': dict(s.mesh.shape),
@@ -133,7 +134,8 @@ def print_summary(s: Setup, memory: dict) -> None:
         f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
   print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
-        f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}')
+        f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
+        + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives per step per device: ' + ('; '.join(
       f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))

@@ -85,7 +85,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
           per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes), PartitionSpec()),
           out_specs=PartitionSpec(), axis_names=frozenset(axes), check_vma=False)(params, batch, scale)
       ways = math.prod(mesh.shape[a] for a in axes)
-    grads = jax.tree.map(lambda g: g / (microbatches * ways * scale), grad_sum)
+    # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
+    # Adam's moments), and the new state could not reuse the donated buffers.
+    grads = jax.tree.map(lambda g: (g / (microbatches * ways * scale)).astype(g.dtype), grad_sum)
     loss = loss_sum / (microbatches * ways)
 
     updates, opt_state = tx.update(grads, state['opt_state'], params)
