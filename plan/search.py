@@ -106,7 +106,7 @@ def plan(config, target: Target, compile_total, log=print) -> tuple[Candidate, l
     raise PlanError(
         f'nothing fits {target}: the smallest recipe ({closest.recipe}) needs an estimated '
         f'{need / 1e9:.1f} GB per device, {need / budget:.2f}x the {budget / 1e9:.1f} GB usable '
-        f'({target.memory / 1e9:.0f} GB less {MARGIN:.0%} margin); use about '
+        f'({target.memory / 1e9:.3g} GB less {MARGIN:.0%} margin); use about '
         f'{need / budget:.1f}x as many devices or a larger GPU')
   log(f'{len(candidates)} recipes, {len(fitting)} fit by the estimate; compiling the fastest '
       f'to verify (at most {MAX_COMPILES})')
@@ -127,7 +127,7 @@ def plan(config, target: Target, compile_total, log=print) -> tuple[Candidate, l
 
 
 def assumptions(target: Target) -> str:
-  return (f'assumptions: {target}: {target.memory / 1e9:.0f} GB, {target.peak_bf16 / 1e12:.0f} '
+  return (f'assumptions: {target}: {target.memory / 1e9:.3g} GB, {target.peak_bf16 / 1e12:.0f} '
           f'TFLOP/s bf16 peak at {MFU_ASSUMED:.0%} MFU, HBM {target.hbm / 1e12:.2f} TB/s, '
           f'{target.intra_node / 1e9:.0f} GB/s intra-node and {target.inter_node / 1e9:.1f} GB/s '
           f'inter-node per GPU, {target.per_node} GPUs per node; a recipe fits under '

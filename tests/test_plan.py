@@ -1,0 +1,60 @@
+"""The planner: targets parsed or refused in one line, nothing-fits said with by how much, and the
+recipe it returns compiles within the target's memory."""
+import importlib.util
+import os
+
+import pytest
+
+from configs import default
+from plan.search import MARGIN, PlanError, plan, recipes
+from plan.target import TargetError, parse_target
+from plan.report import compile_total, run_plan
+
+
+def test_targets_are_parsed():
+  t = parse_target('8xA100-80GB')
+  assert (t.count, t.memory, t.per_node) == (8, 80e9, 8)
+  assert parse_target('2x0.5GB').memory == 0.5e9
+
+
+@pytest.mark.parametrize('text, message', [
+    ('8xA100', "unknown GPU 'A100' in --target='8xA100'; known: A100-40GB, A100-80GB"),
+    ('eightxH100-80GB', 'is not <N>x<GPU>'),
+    ('0xH100-80GB', 'is not <N>x<GPU>'),
+])
+def test_bad_targets_are_refused_naming_what_is_allowed(text, message):
+  with pytest.raises(TargetError, match=message):
+    parse_target(text)
+
+
+def test_a_model_too_large_for_any_recipe_says_by_how_much():
+  config = default.get_config('70b')
+  with pytest.raises(PlanError, match=r'nothing fits 1xRTX4090-24GB: the smallest recipe .* needs '
+                                      r'an estimated [\d.]+ GB per device, [\d.]+x the 21.6 GB usable'):
+    plan(config, parse_target('1xRTX4090-24GB'), compile_total=None)
+
+
+def test_recipes_respect_the_mesh_and_the_batch():
+  config = default.get_config('7b')      # batch 32, 32 heads
+  found = recipes(config, parse_target('8xH100-80GB'))
+  assert found and all(8 % r.tensor == 0 and 32 % (8 // r.tensor * r.microbatches) == 0
+                       for r in found)
+  assert not any(r.adam_bits == 8 and r.tensor > 1 for r in found)
+
+
+def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
+  """A small model on a target so small that most recipes do not fit: what comes back fits when
+  compiled, and the config file it writes loads and names that recipe."""
+  config = default.get_config('100m')
+  config.train.batch_size = 8
+  config.train.seq_len = 256
+  target = parse_target('2x1.2GB')
+  path = run_plan(config, target, str(tmp_path / 'w'), 'test')
+  spec = importlib.util.spec_from_file_location('planned', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  planned = module.get_config()
+  compiled = compile_total(planned, target.count)
+  assert isinstance(compiled, int) and compiled <= target.memory * (1 - MARGIN)
+  assert planned.mesh.to_dict()['data'] * planned.mesh.fsdp * planned.mesh.tensor == 2
+  assert os.path.basename(path) == 'planned_config.py'
