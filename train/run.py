@@ -265,6 +265,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   checkpoints.wait()
   checkpoints.close()
   metrics.close()
+  peak = peak_device_memory()
+  if peak is not None and _is_main():   # GPUs report it; beside the compiled and estimated figures
+    _write_json(os.path.join(workdir, 'memory.json'), {**memory, 'peak_device_bytes': peak})
   _print_sample(s, state, tokenizer)
   return last_eval
 
