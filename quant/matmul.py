@@ -7,6 +7,12 @@ unquantized operands (straight-through) or quantizes the incoming gradient too. 
 delayed scaling and LLM.int8() are ours (quant/lsq.py, quant/fp8.py, quant/llm_int8.py): Qwix
 has no learned step sizes, no amax history, no outlier decomposition.
 
+Qwix's public entry point (`QtProvider` + `quantize_model`) intercepts every dot_general of a
+model and decides which operand is a weight by finding it among the module's parameters; after
+Dense casts the kernel to the compute dtype it is no longer found, and a mode chosen by config is
+simpler to pass explicitly. So the product calls Qwix's QT dot_general (`qwix._src`, pinned at
+qwix==0.1.8 in requirements.txt) with a config built from the recipe.
+
 `layer_state` is the Dense's own quantization parameter where the recipe has one: LSQ step sizes
 [*out], or the fp8 amax history [3, H].
 """
