@@ -29,10 +29,9 @@ The rest is the largest of three phases, each holding the gradients and whatever
 - the optimizer update (`update`, counted only where it exceeds the larger backward phase): one
   fp32 buffer of the (optimizer-sharded) parameters' size between the moments and the new
   weights, plus, with 16-bit weights, a copy of the weights and moments as they are rewritten.
-  8-bit moments instead keep a full-size fp32 step buffer per quantized tensor, the carry of the
-  update loop, which XLA allocates when the step starts (so it is in the other phases too), and the
-  update chain after the loop (weight decay, learning rate) holds two fp32 buffers of the largest
-  tensor, being run tensor by tensor.
+  8-bit moments write each slice's step over that slice's gradient (no step buffer of their
+  own); the update chain after the loop (weight decay, learning rate) holds two fp32 buffers of
+  the largest tensor, being run tensor by tensor.
 
 Saved activations, per token per layer (`saved_per_token_per_layer`). Without remat: 6 d_model rows
 (4 fp32 inside the two RMSNorms, 2 normed outputs in the compute dtype), query and attention output
@@ -203,16 +202,6 @@ def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
   return 2 * total
 
 
-def step_buffer_bytes(cfg: ModelConfig, shape: StepShape) -> float:
-  """The 8-bit update loop's fp32 step buffers on one device: one per quantized tensor, laid out
-  (and split) like its moment."""
-  if shape.adam_bits == 32:
-    return 0
-  b = shape.adam_block_size
-  return sum(math.ceil(n / b) * b * FP32 / _moment_ways(n, ways, shape)
-             for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
-
-
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """The activations every layer saves for the backward pass (stacked over layers)."""
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
@@ -318,18 +307,18 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str,
 
 
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
-  """The optimizer update's buffers besides the state and the gradients: `step` (8-bit only)
-  lives through the whole step, `chain` only while the update runs."""
+  """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
+  update runs)."""
   ways = shape.shards(from_stage=1)
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
     p = policy.param_bytes
-    return {'step': 0, 'chain': cfg.num_params * (FP32 + (p if p < FP32 else 0)) / ways}
+    return {'chain': cfg.num_params * (FP32 + (p if p < FP32 else 0)) / ways}
   # The chain after the 8-bit loop runs tensor by tensor: the largest one's fp32 step and update.
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
-  return {'step': step_buffer_bytes(cfg, shape), 'chain': 2 * largest}
+  return {'chain': 2 * largest}
 
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -356,14 +345,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, fl
   vocab = vocab_bytes(cfg, policy, shape)
   update = update_bytes(cfg, policy, shape)
   # Held in both backward phases besides gradients and saved activations.
-  common = microbatch_grads + cpu_weight_copies(cfg, policy, shape) + update['step']
+  common = microbatch_grads + cpu_weight_copies(cfg, policy, shape)
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
   layer_phase = {'activations': saved + layer['activations'],
                  'temporaries': common + layer['weights'] + vocab['held']}
   reduction_phase = {'activations': 0, 'temporaries': common + vocab['reduction']}
   backward = max(head_phase, layer_phase, reduction_phase, key=lambda phase: sum(phase.values()))
   # The update holds the gradients and the update's buffers; the activations are gone by then.
-  update_phase = update['step'] + update['chain']
+  update_phase = update['chain']
   parts = {
       'params': params,
       'grads': grads,

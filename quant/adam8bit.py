@@ -86,20 +86,22 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return x.reshape(x.shape[0] // slices, slices, *x.shape[1:])
 
       # Slice i is rows i, i + slices, ...: every data-parallel shard keeps its own rows, and the
-      # buffers are read and written in place through the loop.
+      # buffers are read and written in place through the loop. Each slice's Adam step overwrites
+      # that slice's gradient, which is not read again: no separate full-size step buffer.
       def update_slice(i, carry):
-        step, mu_q, nu_q = carry
+        grads_then_steps, mu_q, nu_q = carry
         take = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
         put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=1)
-        new_step, mu, nu = adam(take(interleaved_g), dequantize_blocks(jax.tree.map(take, mu_q), True),
+        new_step, mu, nu = adam(take(grads_then_steps),
+                                dequantize_blocks(jax.tree.map(take, mu_q), True),
                                 dequantize_blocks(jax.tree.map(take, nu_q), False))
-        return (put(step, new_step.astype(step.dtype)), jax.tree.map(put, mu_q, quantize_blocks(mu, True)),
+        return (put(grads_then_steps, new_step.astype(grads_then_steps.dtype)),
+                jax.tree.map(put, mu_q, quantize_blocks(mu, True)),
                 jax.tree.map(put, nu_q, quantize_blocks(nu, False)))
 
-      interleaved_g = interleaved(blocks)
       step, mu_q, nu_q = jax.lax.fori_loop(
           0, slices, update_slice,
-          (jnp.zeros_like(interleaved_g), jax.tree.map(interleaved, mu_stored),
+          (interleaved(blocks), jax.tree.map(interleaved, mu_stored),
            jax.tree.map(interleaved, nu_stored)))
       step = step.reshape(blocks.shape)
       mu_q, nu_q = (jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), q) for q in (mu_q, nu_q))
