@@ -58,3 +58,17 @@ def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
   assert isinstance(compiled, int) and compiled <= target.memory * (1 - MARGIN)
   assert planned.mesh.to_dict()['data'] * planned.mesh.fsdp * planned.mesh.tensor == 2
   assert os.path.basename(path) == 'planned_config.py'
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--target=8xA100'], "unknown GPU 'A100'"),
+    (['--target=16xH100-80GB', '--config=configs/fsdp.py:70b', '--config.train.batch_size=3'],
+     'no recipe can split batch 3 over 16xH100-80GB'),
+    (['--config=configs/fsdp.py:70b', '--target=1xRTX4090-24GB'], 'nothing fits 1xRTX4090-24GB'),
+])
+def test_main_reports_plan_errors_in_one_line(tmp_path, args, message):
+  from tests.test_run import main_py
+  result = main_py('--plan', f'--workdir={tmp_path / "w"}', *args)
+  assert result.returncode != 0 and 'Traceback' not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / 'w').exists()
