@@ -5,6 +5,9 @@ of feature columns that took the 16-bit path on the validation batches.
 
   python -m bench.ptq --workdir=runs/default-run [--save=DIR]   # --save: write the int8 model there
 """
+import os
+import sys
+
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/default-run', 'A finished training run.')
@@ -36,10 +39,16 @@ def main(argv):
   from quant.llm_int8 import recording_outliers
   from quant.weights import stored_bytes
   from train import checks, ptq, run
+  from train.checkpoint import CheckpointError
   from train.evaluate import evaluate, make_eval_step
 
-  config = ptq.run_config(_WORKDIR.value, default.get_config())
-  params = ptq.restore_params(_WORKDIR.value, config)
+  if _SAVE.value and os.path.exists(_SAVE.value):   # refused before any work, nothing overwritten
+    sys.exit(f'error: --save={_SAVE.value} already exists; choose a new directory')
+  try:
+    config = ptq.run_config(_WORKDIR.value, default.get_config())
+    params = ptq.restore_params(_WORKDIR.value, config)
+  except CheckpointError as e:
+    sys.exit(f'error: {e}')
   _, _, val_tokens = run.load_data(config)
   batches = list(data_lib.eval_batches(val_tokens, seq_len=config.train.seq_len,
                                        batch_size=config.train.batch_size,
@@ -57,10 +66,9 @@ def main(argv):
     policy = checks.policy(config)
     model = ptq.build_quantized(config, policy, params, fmt)
     graphdef, state = nnx.split(model)
-    eval_step = jax.jit(make_eval_step(graphdef))
-    compiled = eval_step.lower(state, batches[0]).compile()
-    with recording_outliers() as outliers:
-      result = evaluate(jax.jit(make_eval_step(graphdef)), state, batches, bytes_per_token=1.0)
+    with recording_outliers() as outliers:   # traced inside, so LLM.int8() products report
+      compiled = jax.jit(make_eval_step(graphdef)).lower(state, batches[0]).compile()
+      result = evaluate(compiled, state, batches, bytes_per_token=1.0)
     stored = stored_bytes(model)
     other = sum(p.size for path, p in jax.tree_util.tree_leaves_with_path(params)
                 if getattr(path[-1], 'key', None) != 'kernel') * policy.param_bytes

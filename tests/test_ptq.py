@@ -109,3 +109,11 @@ def test_llm_int8_reports_its_outlier_columns():
 def test_a_run_without_checkpoints_is_refused(tmp_path):
   with pytest.raises(CheckpointError, match='does not exist'):
     ptq.run_config(str(tmp_path), default.get_config('tiny'))
+
+
+def test_a_run_without_checkpoints_is_refused_and_left_as_it_was(tmp_path):
+  (tmp_path / 'config.json').write_text('{}')
+  config = ptq.run_config(str(tmp_path), default.get_config('tiny'))
+  with pytest.raises(CheckpointError, match='checkpoints does not exist; train first'):
+    ptq.restore_params(str(tmp_path), config)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['config.json']

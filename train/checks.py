@@ -9,6 +9,7 @@ from quant.precision import Policy, get_policy
 from quant.recipe import MatmulRecipe
 from train.optimizer import ADAM_BITS
 
+
 class ConfigError(ValueError):
   pass
 

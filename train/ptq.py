@@ -43,7 +43,10 @@ def run_config(workdir: str, defaults: ml_collections.ConfigDict) -> ml_collecti
 def restore_params(workdir: str, config, step: int | None = None) -> dict:
   """The trained parameters (a pure dict, on the default device) of `workdir`'s latest checkpoint."""
   from train import run   # run.py is the layer above; imported here only to rebuild the layout
-  checkpoints = Checkpointer(os.path.join(workdir, 'checkpoints'), keep=1 << 30)
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):   # checked first: the checkpoint manager would create it
+    raise CheckpointError(f'{directory} does not exist; train first')
+  checkpoints = Checkpointer(directory, keep=1 << 30)
   step = checkpoints.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f'{workdir}/checkpoints holds no checkpoint; train first')
