@@ -67,7 +67,7 @@ def main(argv):
     model = ptq.build_quantized(config, policy, params, fmt)
     graphdef, state = nnx.split(model)
     with recording_outliers() as outliers:   # traced inside, so LLM.int8() products report
-      compiled = jax.jit(make_eval_step(graphdef)).lower(state, batches[0]).compile()
+      compiled = jax.jit(make_eval_step(graphdef)).lower(state, {}, batches[0]).compile()
       result = evaluate(compiled, state, batches, bytes_per_token=1.0)
     stored = stored_bytes(model)
     other = sum(p.size for path, p in jax.tree_util.tree_leaves_with_path(params)

@@ -62,6 +62,18 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       amax_history=16,                    # fp8 delayed: steps of absmax history
       adam_bits=32,                       # 32, or 8: Adam's moments block-wise quantized to 8 bits
       adam_block_size=2048,               # values per quantization block (256 or 2048)
+      weights='none',                     # LoRA only: the frozen base's dense kernels stored in
+                                          # none (floats), int8, int4 or nf4 (QLoRA)
+  )
+  # Where a fresh run's weights come from: '' random; 'hf:DIR' a local Hugging Face Llama or GPT-2
+  # checkpoint (safetensors + config.json; the model shape is read from it); 'run:DIR' the latest
+  # checkpoint of an earlier run of ours. A workdir with checkpoints resumes from them instead.
+  config.init_from = ''
+  config.lora = dict(
+      rank=0,                             # 0: every weight trains; r > 0: only rank-r adapters
+      alpha=16.0,                         # the update is scaled by alpha / rank
+      dropout=0.0,                        # on the adapters' input, while training
+      targets='.*attention/(query|value)',  # regex over dense-layer paths (the LoRA paper: W_q, W_v)
   )
   config.sample = dict(prompt='def ', length=200, temperature=0.8)
   return config

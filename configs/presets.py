@@ -51,7 +51,8 @@ TRAIN_SHAPES = {
 def model(name: str) -> dict:
   if name not in MODELS:
     raise ValueError(f'model preset {name!r} is not known; allowed: {", ".join(MODELS)}')
-  base = dict(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, remat='none', init_std=0.02)
+  base = dict(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, remat='none', init_std=0.02,
+              norm='rms', mlp='swiglu', positions='rope', bias=False)   # Llama; GPT-2: models/config.py
   return {**base, **MODELS[name]}
 
 

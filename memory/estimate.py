@@ -332,18 +332,38 @@ def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   return cfg.num_params * FP32 / shape.shards(from_stage=1)
 
 
-def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
-  """Bytes per device by part (see the module docstring); `total` is their sum."""
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+  """LoRA: only `trainable` values (the adapters) get gradients and optimizer state; the frozen
+  base is stored in `base_bytes` (compute-dtype matrices, or quantized kernels under QLoRA)."""
+  trainable: int
+  base_bytes: int
+
+
+def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
+             frozen: Frozen | None = None) -> dict[str, float]:
+  """Bytes per device by part (see the module docstring); `total` is their sum.
+
+  With `frozen` (LoRA) the parameters are the frozen base and the adapters, and the gradients,
+  the moments and the update are the adapters' alone (as fp32 Adam, whatever `adam_bits`: the
+  adapters are small); the activation terms are the full model's, since the backward pass still
+  runs through every layer. The base is sharded like parameters."""
   n = cfg.num_params
   p = policy.param_bytes
   params = n * p / shape.shards(from_stage=3)
   grads = n * p / shape.shards(from_stage=2)
   optimizer = optimizer_bytes(cfg, policy, shape)
+  if frozen is not None:
+    n = frozen.trainable
+    params = (frozen.base_bytes + n * p) / shape.shards(from_stage=3)
+    grads = n * p / shape.shards(from_stage=2)
+    optimizer = 2 * n * p / shape.shards(from_stage=1)
   saved = activation_bytes(cfg, policy, shape)
   microbatch_grads = grads if shape.microbatches > 1 else 0
   layer = layer_phase_bytes(cfg, policy, shape)
   vocab = vocab_bytes(cfg, policy, shape)
-  update = update_bytes(cfg, policy, shape)
+  update = (update_bytes(cfg, policy, shape) if frozen is None else
+            {'chain': n * (FP32 + (p if p < FP32 else 0)) / shape.shards(from_stage=1)})
   # Held in both backward phases besides gradients and saved activations.
   common = microbatch_grads + cpu_weight_copies(cfg, policy, shape)
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
@@ -359,7 +379,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, fl
       'optimizer': optimizer,
       **backward,
       'update': max(0, update_phase - sum(backward.values())),
-      'moment_fp32': fp32_moment_bytes(cfg, policy, shape),
+      'moment_fp32': (fp32_moment_bytes(cfg, policy, shape) if frozen is None else
+                      fp32_moment_bytes(cfg, policy, shape) * n / cfg.num_params),
   }
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())

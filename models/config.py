@@ -2,6 +2,10 @@
 import dataclasses
 
 REMAT_POLICIES = ('none', 'full', 'dots', 'qkv')
+# Architecture options, so that one decoder covers Llama and GPT-2 (Hugging Face import/export):
+NORMS = ('rms', 'layer')          # RMSNorm (Llama) or LayerNorm with a bias (GPT-2)
+MLPS = ('swiglu', 'gelu')         # down(silu(gate x) * up x) (Llama) or down(gelu_tanh(up x)) (GPT-2)
+POSITIONS = ('rope', 'learned')   # rotary (Llama) or a learned table added to the embedding (GPT-2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +23,10 @@ class ModelConfig:
   tie_embeddings: bool = True
   remat: str = 'none'
   init_std: float = 0.02
+  norm: str = 'rms'
+  mlp: str = 'swiglu'
+  positions: str = 'rope'
+  bias: bool = False        # a bias on every projection (GPT-2)
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':
@@ -41,8 +49,10 @@ class ModelConfig:
                        f'model.num_kv_heads={self.num_kv_heads} (grouped-query attention)')
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)')
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f'model.remat={self.remat!r}; allowed: {", ".join(REMAT_POLICIES)}')
+    for name, allowed in (('remat', REMAT_POLICIES), ('norm', NORMS), ('mlp', MLPS),
+                          ('positions', POSITIONS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'model.{name}={getattr(self, name)!r}; allowed: {", ".join(allowed)}')
 
   def matmul_inputs(self) -> dict[str, int]:
     """The innermost contraction dimension of every projection (where quantization blocks run)."""
@@ -58,20 +68,39 @@ class ModelConfig:
 
   @property
   def mlp_params_per_layer(self) -> int:
-    return 3 * self.d_model * self.mlp_dim  # SwiGLU: gate, up, down
+    return (3 if self.mlp == 'swiglu' else 2) * self.d_model * self.mlp_dim  # gate, up, down
+
+  @property
+  def bias_params_per_layer(self) -> int:
+    if not self.bias:
+      return 0
+    attention = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim + self.d_model
+    mlp = (2 if self.mlp == 'swiglu' else 1) * self.mlp_dim + self.d_model
+    return attention + mlp
+
+  @property
+  def norm_params(self) -> int:
+    """One norm's parameters: a scale, and a bias for LayerNorm."""
+    return self.d_model * (2 if self.norm == 'layer' else 1)
 
   @property
   def params_per_layer(self) -> int:
-    return self.attention_params_per_layer + self.mlp_params_per_layer + 2 * self.d_model
+    return (self.attention_params_per_layer + self.mlp_params_per_layer
+            + self.bias_params_per_layer + 2 * self.norm_params)
 
   @property
   def embedding_params(self) -> int:
     return self.vocab_size * self.d_model
 
   @property
+  def position_params(self) -> int:
+    return self.max_seq_len * self.d_model if self.positions == 'learned' else 0
+
+  @property
   def num_params(self) -> int:
-    head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-    return self.embedding_params + self.num_layers * self.params_per_layer + self.d_model + head
+    head = 0 if self.tie_embeddings else self.vocab_size * (self.d_model + self.bias)
+    return (self.embedding_params + self.position_params + self.num_layers * self.params_per_layer
+            + self.norm_params + head)
 
   @property
   def matmul_params(self) -> int:

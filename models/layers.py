@@ -1,4 +1,8 @@
-"""The blocks of a Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
+"""The blocks of the decoder: RMSNorm or LayerNorm, rotary embeddings, grouped-query attention,
+SwiGLU or GELU MLP (Llama by default; GPT-2 through the model options in models/config.py).
+
+Every block passes an `AdapterCall` (quant/lora.py) down to its dense layers: LoRA dropout keys and
+the reference-rows mask; None when the model has no adapters or runs without dropout."""
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -7,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.config import ModelConfig
 from models.sharding import constrain
 from quant.dense import Dense, logical_param
+from quant.lora import AdapterCall
 from quant.precision import Policy
 
 
@@ -22,6 +27,35 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed * self.scale[...].astype(jnp.float32)).astype(self.policy.compute_dtype)
+
+
+class LayerNorm(nnx.Module):
+  """(x - mean) / std * scale + bias (GPT-2), in fp32 whatever the compute dtype."""
+
+  def __init__(self, dim: int, *, eps: float, policy: Policy):
+    self.eps = eps
+    self.policy = policy
+    self.scale = logical_param(jnp.ones((dim,), policy.param_dtype), ('embed',))
+    self.bias = logical_param(jnp.zeros((dim,), policy.param_dtype), ('embed',))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+    out = normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    return out.astype(self.policy.compute_dtype)
+
+
+def make_norm(cfg: ModelConfig, policy: Policy) -> nnx.Module:
+  norm = RMSNorm if cfg.norm == 'rms' else LayerNorm
+  return norm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+
+
+def split_call(call: AdapterCall | None, n: int) -> list[AdapterCall | None]:
+  """One AdapterCall per sub-layer, each with its own dropout key."""
+  if call is None or call.dropout_key is None:
+    return [call] * n
+  return [call.for_layer(k) for k in jax.random.split(call.dropout_key, n)]
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -67,50 +101,62 @@ class Attention(nnx.Module):
     std = cfg.init_std
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2: residual projections scaled by depth
     self.cfg = cfg
-    self.query = Dense(d, (h, hd), axes=('embed', 'heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
-    self.key = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
-    self.value = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), policy=policy, rngs=rngs, init_std=std)
-    self.out = Dense((h, hd), d, axes=('heads', 'head_dim', 'embed'), policy=policy, rngs=rngs, init_std=out_std)
+    dense = dict(policy=policy, rngs=rngs, use_bias=cfg.bias)
+    self.query = Dense(d, (h, hd), axes=('embed', 'heads', 'head_dim'), init_std=std, **dense)
+    self.key = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), init_std=std, **dense)
+    self.value = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), init_std=std, **dense)
+    self.out = Dense((h, hd), d, axes=('heads', 'head_dim', 'embed'), init_std=out_std, **dense)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    q = constrain(self.query(x), ('batch', 'length', 'heads', 'head_dim'))
-    k = constrain(self.key(x), ('batch', 'length', 'kv_heads', 'head_dim'))
-    v = constrain(self.value(x), ('batch', 'length', 'kv_heads', 'head_dim'))
-    q = checkpoint_name(apply_rope(q, cos, sin), 'query')
-    k = checkpoint_name(apply_rope(k, cos, sin), 'key')
-    v = checkpoint_name(v, 'value')
+  def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
+               adapters: AdapterCall | None = None) -> jax.Array:
+    """`cos`/`sin` None: no rotary embeddings (learned positions were added to the input)."""
+    on_q, on_k, on_v, on_out = split_call(adapters, 4)
+    q = constrain(self.query(x, on_q), ('batch', 'length', 'heads', 'head_dim'))
+    k = constrain(self.key(x, on_k), ('batch', 'length', 'kv_heads', 'head_dim'))
+    v = constrain(self.value(x, on_v), ('batch', 'length', 'kv_heads', 'head_dim'))
+    if cos is not None:
+      q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
     attended = causal_attention(q, k, v)
     attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
-    return self.out(attended)
+    return self.out(attended, on_out)
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)); or GPT-2's down(gelu_tanh(up(x))), which has no gate."""
 
   def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
     d, m = cfg.d_model, cfg.mlp_dim
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-    self.gate = Dense(d, m, axes=('embed', 'mlp'), policy=policy, rngs=rngs, init_std=cfg.init_std)
-    self.up = Dense(d, m, axes=('embed', 'mlp'), policy=policy, rngs=rngs, init_std=cfg.init_std)
-    self.down = Dense(m, d, axes=('mlp', 'embed'), policy=policy, rngs=rngs, init_std=out_std)
+    dense = dict(policy=policy, rngs=rngs, use_bias=cfg.bias)
+    self.gate = (Dense(d, m, axes=('embed', 'mlp'), init_std=cfg.init_std, **dense)
+                 if cfg.mlp == 'swiglu' else None)
+    self.up = Dense(d, m, axes=('embed', 'mlp'), init_std=cfg.init_std, **dense)
+    self.down = Dense(m, d, axes=('mlp', 'embed'), init_std=out_std, **dense)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+  def __call__(self, x: jax.Array, adapters: AdapterCall | None = None) -> jax.Array:
+    on_gate, on_up, on_down = split_call(adapters, 3)
+    if self.gate is None:
+      hidden = jax.nn.gelu(self.up(x, on_up), approximate=True)
+    else:
+      hidden = jax.nn.silu(self.gate(x, on_gate)) * self.up(x, on_up)
     hidden = constrain(hidden, ('batch', 'length', 'mlp'))
-    return self.down(hidden)
+    return self.down(hidden, on_down)
 
 
 class Block(nnx.Module):
   """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
   def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
-    self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+    self.attention_norm = make_norm(cfg, policy)
     self.attention = Attention(cfg, policy=policy, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+    self.mlp_norm = make_norm(cfg, policy)
     self.mlp = MLP(cfg, policy=policy, rngs=rngs)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    x = x + self.attention(self.attention_norm(x), cos, sin)
+  def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
+               adapters: AdapterCall | None = None) -> jax.Array:
+    on_attention, on_mlp = split_call(adapters, 2)
+    x = x + self.attention(self.attention_norm(x), cos, sin, on_attention)
     x = constrain(x, ('batch', 'length', 'embed'))
-    x = x + self.mlp(self.mlp_norm(x))
+    x = x + self.mlp(self.mlp_norm(x), on_mlp)
     return constrain(x, ('batch', 'length', 'embed'))

@@ -2,14 +2,16 @@
 
 The blocks are created with `nnx.vmap` (parameters stacked on a leading `layers` axis) and run with
 `nnx.scan`, so XLA compiles one block whatever the depth; the remat policy wraps the scanned body.
+LoRA adapters (quant/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import Block, RMSNorm, rope_tables
+from models.layers import Block, make_norm, rope_tables
 from models.sharding import constrain
+from quant import lora
 from quant.dense import Dense, logical_param
 from quant.precision import Policy
 
@@ -22,46 +24,78 @@ _REMAT = {
 
 class Transformer(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, policy: Policy, rngs: nnx.Rngs,
+               adapters: lora.LoraSpec | None = None):
     self.cfg = cfg
     self.policy = policy
     embedding = jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), policy.param_dtype)
     self.embedding = logical_param(embedding * cfg.init_std, ('vocab', 'embed'))
+    self.positions = nnx.data(None)
+    if cfg.positions == 'learned':   # GPT-2: a learned vector per position, added to the embedding
+      table = jax.random.normal(rngs.params(), (cfg.max_seq_len, cfg.d_model), policy.param_dtype)
+      self.positions = logical_param(table * cfg.init_std, (None, 'embed'))
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def make_blocks(rngs: nnx.Rngs) -> Block:
-      return Block(cfg, policy=policy, rngs=rngs)
+      block = Block(cfg, policy=policy, rngs=rngs)
+      lora.attach(block, adapters, prefix='blocks', rngs=rngs, dtype=policy.param_dtype)
+      return block
 
     self.blocks = make_blocks(rngs)
-    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, policy=policy)
+    self.final_norm = make_norm(cfg, policy)
     if not cfg.tie_embeddings:
       self.head = Dense(cfg.d_model, cfg.vocab_size, axes=('embed', 'vocab'), policy=policy,
-                        rngs=rngs, init_std=cfg.init_std)
+                        rngs=rngs, init_std=cfg.init_std, use_bias=cfg.bias)
+      if adapters is not None and adapters.matches('head'):
+        lora.attach(self.head, adapters, prefix='head', rngs=rngs, dtype=policy.param_dtype)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """tokens [batch, length] int -> logits [batch, length, vocab] in fp32."""
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+               dropout_key: jax.Array | None = None, reference: bool = False):
+    """tokens [batch, length] int -> logits [batch, length, vocab] in fp32.
+
+    `dropout_key`: LoRA dropout on (training); None runs without dropout.
+    `reference`: also return the logits with every adapter off, from the same pass:
+    (logits, reference_logits)."""
     cfg, dtype = self.cfg, self.policy.compute_dtype
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    rows = tokens.shape[0]
+    active_rows = None
+    if reference:   # the batch twice: adapters on for the first copy, off for the second
+      tokens, positions = (jnp.concatenate([t, t]) for t in (tokens, positions))
+      active_rows = jnp.arange(2 * rows) < rows
     # Vocabulary-parallel lookup: the table keeps its vocab split (over `tensor`) and is gathered
     # over any other axis first; left to itself XLA may copy the whole table to every device.
     table = constrain(self.embedding[...], ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(dtype)
+    if self.positions is None:
+      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    else:
+      cos = sin = None
+      x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
     x = constrain(x, ('batch', 'length', 'embed'))
 
-    def body(x, block):
-      return block(x, cos, sin)
+    call = (lora.AdapterCall(None, active_rows)
+            if dropout_key is not None or active_rows is not None else None)
+    layer_keys = (jax.random.split(dropout_key, cfg.num_layers)
+                  if dropout_key is not None else jnp.zeros((cfg.num_layers,)))
+
+    def body(x, block, key):
+      return block(x, cos, sin, None if call is None else
+                   call.for_layer(key if dropout_key is not None else None))
 
     if cfg.remat != 'none':
       body = nnx.remat(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-    run_blocks = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+    run_blocks = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
                           transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    x = self.final_norm(run_blocks(x, self.blocks))
+    x = self.final_norm(run_blocks(x, self.blocks, layer_keys))
 
     if cfg.tie_embeddings:
       logits = jnp.einsum('bld,vd->blv', x, self.embedding[...].astype(dtype))
     else:
-      logits = self.head(x)
-    return constrain(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
+      head_call = None if call is None else call.for_layer(
+          None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))
+      logits = self.head(x, head_call)
+    logits = constrain(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
+    return (logits[:rows], logits[rows:]) if reference else logits

@@ -43,6 +43,19 @@ def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
                          f'{ways} do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')
 
 
+def fit_to_shapes(shapes, shardings):
+  """The shardings with every mesh axis dropped from a dimension it does not divide (that
+  dimension stays whole): for small auxiliary arrays whose sizes the model does not choose."""
+  def fit(shape, sharding):
+    spec = []
+    for size, axes in zip(shape.shape, tuple(sharding.spec) + (None,) * len(shape.shape)):
+      names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = math.prod(sharding.mesh.shape[a] for a in names)
+      spec.append(axes if names and size % ways == 0 else None)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+  return jax.tree.map(fit, shapes, shardings)
+
+
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """Sharding of a [batch, length] token array."""
   return NamedSharding(mesh, to_mesh_spec(('batch', 'length'), rules))

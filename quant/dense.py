@@ -5,6 +5,8 @@ the product runs in the policy's compute dtype, through the quantized matmul its
 (quant/matmul.py). Quantized modes plug in here, not in the model.
 The kernel may have several input and output dimensions (e.g. `[embed] -> [heads, head_dim]`), so
 tensor parallelism can split heads without reshapes in the model.
+A layer may carry a bias (GPT-2) and LoRA adapters (quant/lora.py); its kernel may be stored
+quantized and frozen (quant/weights.py: QLoRA's base, or a post-training quantized model).
 """
 from typing import Sequence
 
@@ -12,6 +14,7 @@ import jax
 from flax import nnx
 
 from quant import fp8, lsq
+from quant.lora import AdapterCall
 from quant.matmul import quantized_dot
 from quant.precision import Policy
 from quant.weights import QuantizedKernel
@@ -31,16 +34,20 @@ class Dense(nnx.Module):
   """y = x @ W over the trailing `in_features` dims of x; W is `in_features + out_features`."""
 
   def __init__(self, in_features, out_features, *, axes: tuple[str, ...], policy: Policy,
-               rngs: nnx.Rngs, init_std: float):
+               rngs: nnx.Rngs, init_std: float, use_bias: bool = False):
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
     shape = self.in_features + self.out_features
     if len(axes) != len(shape):
       raise ValueError(f'axes {axes} do not name every kernel dimension {shape}')
     self.policy = policy
+    self.axes = tuple(axes)   # one layer's logical axes (a stacked kernel adds `layers` in front)
     kernel = jax.nn.initializers.normal(init_std)(rngs.params(), shape, policy.param_dtype)
     self.kernel = logical_param(kernel, axes)
     n_in = len(self.in_features)
+    self.bias = (logical_param(jax.numpy.zeros(self.out_features, policy.param_dtype), axes[n_in:])
+                 if use_bias else None)
+    self.lora = nnx.data(None)   # LoRA adapters, attached by path while the model is built (quant/lora.py)
     # LSQ: one learned int4 step size per output channel, sharded like the kernel's outputs.
     self.step_size = (logical_param(lsq.initial_step_size(kernel, n_in, bits=4), axes[n_in:])
                       if policy.matmul.learned_scale else None)
@@ -48,12 +55,23 @@ class Dense(nnx.Module):
     self.amax_history = (fp8.new_history(policy.matmul.amax_history)
                          if policy.matmul.delayed_scaling else None)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def kernel_axes(self) -> tuple:
+    """The kernel's logical axes as stored (with `layers` in front when stacked)."""
+    if isinstance(self.kernel, QuantizedKernel):
+      return self.kernel.axes
+    return tuple(self.kernel.get_metadata()['out_sharding'])
+
+  def __call__(self, x: jax.Array, adapters: AdapterCall | None = None) -> jax.Array:
     dtype = self.policy.compute_dtype
     layer_state = next((v[...] for v in (self.step_size, self.amax_history) if v is not None), None)
     if isinstance(self.kernel, QuantizedKernel):   # weight-only quantized storage (quant/weights.py)
       kernel = self.kernel.dequantize(dtype)
     else:
       kernel = self.kernel[...].astype(dtype)
-    return quantized_dot(x.astype(dtype), kernel, len(self.in_features), self.policy.matmul,
-                         layer_state)
+    x = x.astype(dtype)
+    y = quantized_dot(x, kernel, len(self.in_features), self.policy.matmul, layer_state)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(dtype)
+    if self.lora is not None:
+      y = y + self.lora(x, adapters)
+    return y

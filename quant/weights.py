@@ -34,9 +34,9 @@ def _matrix_shape(shape, n_in):
 
 
 def _quantize_int8(w, n_in):
-  m = w.astype(jnp.float32).reshape(_matrix_shape(w.shape, n_in))
-  scale = jnp.max(jnp.abs(m), axis=0) / 127
-  codes = jnp.round(m / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
+  w = w.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(w), axis=tuple(range(n_in))) / 127          # one per output channel
+  codes = jnp.round(w / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
   return {'codes': codes, 'scale': scale}
 
 
@@ -76,8 +76,25 @@ def _dequantize_nf4(parts, shape, n_in):
                                   block_size=64))
 
 
-_FORMATS = {'int8': (_quantize_int8, _dequantize_int8), 'int4': (_quantize_int4, _dequantize_int4),
-            'nf4': (_quantize_nf4, _dequantize_nf4)}
+def _int8_axes(axes, n_in):
+  return {'codes': axes, 'scale': axes[n_in:]}
+
+
+def _int4_axes(axes, n_in):
+  # The packed codes are one flat run per layer: they shard where the kernel's `embed` would
+  # (over fsdp under ZeRO-3), and are replicated over `tensor`.
+  return {'codes': ('embed',), 'scale': ('embed', None)}
+
+
+def _nf4_axes(axes, n_in):
+  return {'codes': ('embed', None), 'scale': ('embed', None), 'scale_scale': ('embed',),
+          'scale_mean': ()}
+
+
+# format: (quantize, dequantize, logical axes of each stored part from the kernel's axes)
+_FORMATS = {'int8': (_quantize_int8, _dequantize_int8, _int8_axes),
+            'int4': (_quantize_int4, _dequantize_int4, _int4_axes),
+            'nf4': (_quantize_nf4, _dequantize_nf4, _nf4_axes)}
 
 
 def check_format(fmt: str) -> None:
@@ -85,24 +102,42 @@ def check_format(fmt: str) -> None:
     raise ValueError(f'weight format {fmt!r}; allowed: {", ".join(WEIGHT_FORMATS)}')
 
 
-class QuantizedKernel(nnx.Module):
-  """A kernel [*in, *out] (with a leading `layers` axis when `stacked`) stored in `fmt`."""
+def quantize_parts(kernel: jax.Array, fmt: str, n_in: int, stacked: bool) -> dict:
+  """The stored parts of `kernel` in `fmt` (one set per layer when `stacked`)."""
+  quantize = _FORMATS[fmt][0]
+  return (jax.vmap(lambda w: quantize(w, n_in)) if stacked else
+          (lambda w: quantize(w, n_in)))(kernel)
 
-  def __init__(self, kernel: jax.Array, fmt: str, n_in: int, stacked: bool):
+
+class QuantizedKernel(nnx.Module):
+  """A kernel [*in, *out] (with a leading `layers` axis when `stacked`) stored in `fmt`.
+  `axes`: the float kernel's logical axes as stored (with `layers` when stacked); each stored part
+  carries the axes it shards by (a part a mesh axis does not divide stays whole: train/state.py)."""
+
+  def __init__(self, kernel: jax.Array, fmt: str, n_in: int, stacked: bool,
+               axes: tuple | None = None):
     check_format(fmt)
-    self.fmt, self.n_in = fmt, n_in
+    self.fmt, self.n_in, self.stacked = fmt, n_in, stacked
     self.shape = tuple(kernel.shape[1:] if stacked else kernel.shape)   # one layer's shape
-    quantize = _FORMATS[fmt][0]
-    parts = (jax.vmap(lambda w: quantize(w, n_in)) if stacked else
-             (lambda w: quantize(w, n_in)))(kernel)
+    self.axes = tuple(axes) if axes is not None else (None,) * kernel.ndim
+    layer_axes = self.axes[1:] if stacked else self.axes
+    part_axes = _FORMATS[fmt][2](layer_axes, n_in)
+    parts = quantize_parts(kernel, fmt, n_in, stacked)
     self.part_names = tuple(parts)
     for name, value in parts.items():
-      setattr(self, name, QuantizedWeight(value))
+      names = (('layers',) if stacked else ()) + tuple(part_axes[name])
+      setattr(self, name, QuantizedWeight(value, out_sharding=names, eager_sharding=False))
 
   def dequantize(self, dtype) -> jax.Array:
     """One layer's kernel (inside the scan the stacked axis is already sliced off) in `dtype`."""
     parts = {name: getattr(self, name)[...] for name in self.part_names}
     return _FORMATS[self.fmt][1](parts, self.shape, self.n_in).reshape(self.shape).astype(dtype)
+
+  def dequantize_all(self, dtype) -> jax.Array:
+    """The whole kernel, every layer of a stacked one, in `dtype` (outside the scan)."""
+    parts = {name: getattr(self, name)[...] for name in self.part_names}
+    one = lambda p: _FORMATS[self.fmt][1](p, self.shape, self.n_in).reshape(self.shape)
+    return (jax.vmap(one)(parts) if self.stacked else one(parts)).astype(dtype)
 
 
 def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
@@ -115,7 +150,18 @@ def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
     kernel = dense.kernel[...]
     n_in = len(dense.in_features)
     stacked = kernel.ndim > n_in + len(dense.out_features)
-    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked)
+    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked, axes=dense.kernel_axes())
+  return model
+
+
+def dequantize_weights(model: nnx.Module, dtype=jnp.float32) -> nnx.Module:
+  """The inverse, in place: every quantized kernel back to a float parameter (for export)."""
+  from quant.dense import Dense
+  for _, dense in nnx.iter_modules(model):
+    if isinstance(dense, Dense) and isinstance(dense.kernel, QuantizedKernel):
+      axes = dense.kernel.axes
+      dense.kernel = nnx.Param(dense.kernel.dequantize_all(dtype), out_sharding=axes,
+                               eager_sharding=False)
   return model
 
 

@@ -85,7 +85,7 @@ def test_compiled_arguments_shrink_with_the_stored_format(trained):
   def argument_and_stored_bytes(fmt):
     model = ptq.build_quantized(config, checks.policy(config), params, fmt)
     graphdef, state = nnx.split(model)
-    compiled = jax.jit(make_eval_step(graphdef)).lower(state, batch).compile()
+    compiled = jax.jit(make_eval_step(graphdef)).lower(state, {}, batch).compile()
     return compiled.memory_analysis().argument_size_in_bytes, sum(stored_bytes(model).values())
 
   fp32_args, fp32_stored = argument_and_stored_bytes(None)

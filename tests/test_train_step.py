@@ -14,11 +14,11 @@ from train.step import make_train_step
 
 
 def make(config, devices=1):
-  model, policy = checks.model_config(config), checks.policy(config)
+  spec = checks.model_spec(config)
   mesh = make_mesh({'data': devices}, jax.devices()[:devices])
   tx = make_optimizer(config.train)
-  layout = state_layout(model, policy, tx, mesh, layout_rules(0), config.train.seed)
-  step = jax.jit(make_train_step(layout.graphdef, tx, policy, config.train.microbatches))
+  layout = state_layout(spec, tx, mesh, layout_rules(0))
+  step = jax.jit(make_train_step(layout.graphdef, tx, spec.policy, config.train.microbatches))
   return layout, step
 
 

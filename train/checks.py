@@ -2,12 +2,17 @@
 compile and before anything in the workdir is touched."""
 import dataclasses
 
-from models.config import ModelConfig
+from flax import nnx
+
+from models import ModelConfig, Transformer
 from parallel.rules import layout_rules
 from quant.adam8bit import BLOCK_SIZES
+from quant.lora import LoraSpec, check_targets
 from quant.precision import Policy, get_policy
 from quant.recipe import MatmulRecipe
+from quant.weights import WEIGHT_FORMATS
 from train.optimizer import ADAM_BITS
+from train.state import ModelSpec
 
 
 class ConfigError(ValueError):
@@ -34,6 +39,45 @@ def policy(config) -> Policy:
     return dataclasses.replace(policy, matmul=recipe)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+def adapters(config) -> LoraSpec | None:
+  """The LoRA adapters `lora.*` asks for (None: lora.rank=0, every weight trains)."""
+  lora = config.lora
+  if lora.rank == 0:
+    return None
+  spec = LoraSpec(rank=lora.rank, alpha=float(lora.alpha), dropout=float(lora.dropout),
+                  targets=lora.targets)
+  try:
+    spec.check()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return spec
+
+
+def model_spec(config) -> ModelSpec:
+  """The model, its precision, adapters and frozen-base storage, checked: a LoRA target regex
+  that matches no dense layer is refused naming some that exist."""
+  model, precision, lora = model_config(config), policy(config), adapters(config)
+  base = config.quant.weights
+  if base not in ('none',) + WEIGHT_FORMATS:
+    raise ConfigError(f'quant.weights={base!r}; allowed: none, {", ".join(WEIGHT_FORMATS)}')
+  if base != 'none' and lora is None:
+    raise ConfigError(f'quant.weights={base!r} stores the base frozen, so only adapters can train; '
+                      f'set lora.rank > 0 (QLoRA) or quant.weights=none')
+  if base != 'none' and precision.matmul.mode != 'none':
+    raise ConfigError(f'quant.weights={base!r} (a quantized frozen base) with quant.mode='
+                      f'{precision.matmul.mode!r}; choose one: quant.mode=none for QLoRA')
+  if lora is not None:
+    if precision.matmul.learned_scale:
+      raise ConfigError('quant.learned_scale trains step sizes of the base weights, which LoRA '
+                        'freezes; use it without lora.rank')
+    try:
+      check_targets(nnx.eval_shape(lambda: Transformer(model, policy=precision,
+                                                       rngs=nnx.Rngs(0))), lora)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  return ModelSpec(model, precision, config.train.seed, lora, None if base == 'none' else base)
 
 
 def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int) -> None:

@@ -8,14 +8,16 @@ from train.step import cross_entropy
 
 
 def make_eval_step(graphdef):
-  def eval_step(params, batch):
-    return cross_entropy(graphdef, params, batch)
+  """eval_step(params, frozen, batch): frozen is the LoRA base ({} without LoRA)."""
+  def eval_step(params, frozen, batch):
+    return cross_entropy(graphdef, params, frozen, batch)
   return eval_step
 
 
-def evaluate(eval_step, params, batches, bytes_per_token: float) -> dict:
+def evaluate(eval_step, params, batches, bytes_per_token: float, frozen=None) -> dict:
   """Average over the (equal-sized) validation batches; `batches` are global arrays."""
-  losses = [float(jax.device_get(eval_step(params, batch))) for batch in batches]
+  frozen = {} if frozen is None else frozen
+  losses = [float(jax.device_get(eval_step(params, frozen, batch))) for batch in batches]
   nats = float(np.mean(losses))
   return {'eval_loss': nats,
           'eval_bits_per_byte': nats / math.log(2) / bytes_per_token,

@@ -11,19 +11,21 @@ from flax import nnx
 
 
 def generate(graphdef, params, prompt: np.ndarray, *, num_tokens: int, window: int,
-             temperature: float, seed: int, vocab_limit: int | None = None) -> np.ndarray:
+             temperature: float, seed: int, vocab_limit: int | None = None,
+             frozen=None) -> np.ndarray:
   """Returns the prompt followed by up to `num_tokens` sampled tokens (fewer if the window fills).
+  `frozen`: the base weights of a LoRA model.
 
   `vocab_limit`: sample only ids below it (a model whose vocabulary is larger than the tokenizer's)."""
   prompt = np.asarray(prompt, np.int32)[-(window - 1):]
   end = min(window, len(prompt) + num_tokens)
 
   @jax.jit
-  def run(params, buffer, key):
+  def run(params, frozen, buffer, key):
     def next_token(position, carry):
       buffer, key = carry
       key, sample_key = jax.random.split(key)
-      logits = nnx.merge(graphdef, params)(buffer)[0, position - 1]
+      logits = nnx.merge(graphdef, params, frozen)(buffer)[0, position - 1]
       if vocab_limit is not None:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
       if temperature > 0:
@@ -37,5 +39,6 @@ def generate(graphdef, params, prompt: np.ndarray, *, num_tokens: int, window: i
 
   buffer = np.zeros((1, window), np.int32)
   buffer[0, :len(prompt)] = prompt
-  out = run(params, jnp.asarray(buffer), jax.random.key(seed))
+  out = run(params, {} if frozen is None else frozen, jnp.asarray(buffer),
+            jax.random.key(seed))
   return np.asarray(jax.device_get(out))[0, :end]

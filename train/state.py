@@ -1,9 +1,13 @@
 """The train state and where each of its arrays lives.
 
-The state is a plain dict: `step`, `params` (a pure dict mirroring the model), `opt_state` (optax)
-and `loss_scale`. Its shape and shardings are derived from `jax.eval_shape` of the initialiser, so
-a model of any size can be described (and its train step compiled) without allocating it; then
-`jax.jit(init, out_shardings=...)` creates the arrays already in place.
+The state is a plain dict: `step`, `params` (the trainable weights, a pure dict mirroring the
+model), `opt_state` (optax), `loss_scale`, and with LoRA `frozen`: the base weights, which get no
+gradients and no optimizer state. A frozen matrix needs no fp32 master copy, so it is stored in the
+compute dtype (vectors such as norm scales keep the parameter dtype), and with `quant.weights` its
+dense kernels are stored quantized (QLoRA). The state's shape and shardings are derived from
+`jax.eval_shape` of the initialiser, so a model of any size can be described (and its train step
+compiled) without allocating it; then `jax.jit(init, out_shardings=...)` creates the arrays already
+in place.
 """
 import dataclasses
 import math
@@ -16,10 +20,57 @@ from jax.sharding import Mesh
 
 from models import ModelConfig, Transformer
 from parallel.rules import LayoutRules
-from parallel.sharding import check_divisible, logical_axes_tree, replicated, shardings_for
+from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
+                               shardings_for)
 from quant.adam8bit import is_quantized_moment
+from quant.fp8 import AmaxHistory
+from quant.lora import LoraSpec
 from quant.loss_scale import init_loss_scale
 from quant.precision import Policy
+from quant.weights import QuantizedWeight, quantize_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything that builds the model: its shape, precision, seed, adapters and base storage."""
+  config: ModelConfig
+  policy: Policy
+  seed: int
+  adapters: LoraSpec | None = None   # LoRA: adapters trainable, everything else frozen
+  base_format: str | None = None     # QLoRA: the frozen dense kernels stored in int8, int4 or nf4
+
+  def build(self, quantize: bool = True) -> Transformer:
+    model = Transformer(self.config, policy=self.policy, rngs=nnx.Rngs(params=self.seed),
+                        adapters=self.adapters)
+    if quantize and self.base_format:
+      quantize_weights(model, self.base_format)
+    return model
+
+  @property
+  def trainable(self):
+    """The variables that get gradients: every parameter, or with LoRA the adapters (and the fp8
+    amax histories, which the step updates)."""
+    return nnx.Any(nnx.LoRAParam, AmaxHistory) if self.adapters else nnx.Param
+
+  def split(self, model: nnx.Module):
+    """(graphdef, trainable, frozen, quantized): pure dicts. `frozen` holds every other variable
+    (the quantized kernels' parts among them, listed again in `quantized`)."""
+    graphdef, params, quantized, rest = nnx.split(model, self.trainable, QuantizedWeight, ...)
+    frozen = jax.tree.map_with_path(self._frozen_dtype, nnx.to_pure_dict(rest))
+    quantized = nnx.to_pure_dict(quantized)
+    return graphdef, nnx.to_pure_dict(params), _merge_trees(frozen, quantized), quantized
+
+  def _frozen_dtype(self, path, leaf):
+    names = [getattr(key, 'key', None) for key in path]
+    matrix = leaf.ndim - int('blocks' in names) >= 2
+    return leaf.astype(self.policy.compute_dtype) if matrix else leaf
+
+
+def _merge_trees(a: dict, b: dict) -> dict:
+  out = dict(a)
+  for key, value in b.items():
+    out[key] = _merge_trees(out[key], value) if key in out and isinstance(value, dict) else value
+  return out
 
 
 @dataclasses.dataclass
@@ -29,6 +80,7 @@ class StateLayout:
   shardings: Any           # NamedSharding tree of the train state
   grad_shardings: Any      # where the gradients live (ZeRO-2 and up: sharded like the optimizer)
   init: Callable[[], Any]  # jitted: creates the state already sharded
+  init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
 
 
 def _mesh_axes(part) -> tuple[str, ...]:
@@ -42,11 +94,10 @@ def block_axis(sharding) -> int:
                if math.prod(mesh.shape[a] for a in _mesh_axes(part)) > 1), 0)
 
 
-def moment_block_axes(model_cfg: ModelConfig, policy: Policy, mesh: Mesh, rules: LayoutRules,
-                      seed: int):
+def moment_block_axes(spec: ModelSpec, mesh: Mesh, rules: LayoutRules):
   """Per parameter, the dimension its 8-bit moments are blocked from (quant/adam8bit.py)."""
-  abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, policy, seed))
-  axes = logical_axes_tree(nnx.split(abstract_model, nnx.Param)[1])
+  abstract_model = nnx.eval_shape(spec.build)
+  axes = logical_axes_tree(nnx.split(abstract_model, spec.trainable, ...)[1])
   return jax.tree.map(block_axis, shardings_for(axes, mesh, rules.optimizer))
 
 
@@ -65,14 +116,15 @@ def _moment_sharding(leaf, sharding, mesh: Mesh):
 
 
 def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transformer:
-  return Transformer(model_cfg, policy=policy, rngs=nnx.Rngs(params=seed))
+  """The plain model (no adapters, float kernels)."""
+  return ModelSpec(model_cfg, policy, seed).build()
 
 
-def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTransformation,
-                 mesh: Mesh, rules: LayoutRules, seed: int) -> StateLayout:
+def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
+                 rules: LayoutRules) -> StateLayout:
   """Raises ValueError naming a parameter dimension that the mesh does not divide."""
-  abstract_model = nnx.eval_shape(lambda: build_model(model_cfg, policy, seed))
-  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+  abstract_model = nnx.eval_shape(spec.build)
+  graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, spec.trainable, ...)
   axes = logical_axes_tree(abstract_params)
   params_sharding = shardings_for(axes, mesh, rules.params)
   grad_sharding = shardings_for(axes, mesh, rules.grads)
@@ -82,10 +134,12 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
     check_divisible(shapes, sharding, axes, what)
 
   def init():
-    graphdef_, params = nnx.split(build_model(model_cfg, policy, seed), nnx.Param)
-    params = nnx.to_pure_dict(params)
-    return {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
-            'opt_state': tx.init(params), 'loss_scale': init_loss_scale()}
+    _, params, frozen, _ = spec.split(spec.build())
+    state = {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
+             'opt_state': tx.init(params), 'loss_scale': init_loss_scale()}
+    if frozen:
+      state['frozen'] = frozen
+    return state
 
   abstract = jax.eval_shape(init)
   whole = replicated(mesh)
@@ -97,7 +151,38 @@ def state_layout(model_cfg: ModelConfig, policy: Policy, tx: optax.GradientTrans
       is_leaf=lambda x: is_quantized_moment(x) or masked(x))
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
+  if 'frozen' in abstract:
+    shardings['frozen'] = frozen_shardings(abstract_rest, abstract['frozen'], mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   return StateLayout(graphdef, abstract, shardings, grad_sharding,
-                     jax.jit(init, out_shardings=shardings))
+                     jax.jit(init, out_shardings=shardings), init)
+
+
+def frozen_shardings(abstract_rest, frozen_shapes, mesh: Mesh, rules: LayoutRules):
+  """The frozen base is placed like parameters (sharded over fsdp under ZeRO-3). A quantized part
+  that a mesh axis does not divide (a small scale array) stays whole on that axis."""
+  axes = logical_axes_tree(abstract_rest)
+  shardings = shardings_for(axes, mesh, rules.params)
+  quantized = nnx.to_pure_dict(nnx.filter_state(abstract_rest, QuantizedWeight))
+  fitted = fit_to_shapes(quantized, _select(shardings, quantized))
+  float_shapes = _exclude(frozen_shapes, quantized)
+  float_shardings = _exclude(shardings, quantized)
+  check_divisible(float_shapes, float_shardings, _exclude(axes, quantized), 'frozen weight')
+  return _merge_trees(float_shardings, fitted)
+
+
+def _select(tree: dict, like: dict) -> dict:
+  return {k: _select(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
+
+
+def _exclude(tree: dict, like: dict) -> dict:
+  out = {}
+  for k, v in tree.items():
+    if k not in like:
+      out[k] = v
+    elif isinstance(like[k], dict):
+      rest = _exclude(v, like[k])
+      if rest:
+        out[k] = rest
+  return out

@@ -2,7 +2,8 @@
 
 Reads top to bottom: split the batch into microbatches, accumulate gradients in the master
 weights' dtype, (fp16) unscale and check for overflow, apply AdamW, (fp16) skip the update if the
-gradients overflowed.
+gradients overflowed. Gradients are taken of the trainable parameters only; a frozen base (LoRA)
+is an input of the loss and passes through the step unchanged.
 """
 import math
 
@@ -17,9 +18,10 @@ from quant.loss_scale import all_finite, select_tree, update_loss_scale
 from quant.precision import Policy
 
 
-def cross_entropy(graphdef, params, batch) -> jax.Array:
-  """Mean next-token cross-entropy in nats per token."""
-  logits = nnx.merge(graphdef, params)(batch['inputs'])
+def cross_entropy(graphdef, params, frozen, batch, dropout_key=None) -> jax.Array:
+  """Mean next-token cross-entropy in nats per token. `frozen`: the base weights under LoRA ({}
+  otherwise); `dropout_key`: LoRA dropout on."""
+  logits = nnx.merge(graphdef, params, frozen)(batch['inputs'], dropout_key=dropout_key)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
   return losses.mean()
 
@@ -34,7 +36,7 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
-                    grad_shardings=None, local_accumulation=None):
+                    grad_shardings=None, local_accumulation=None, dropout_seed: int | None = None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -42,48 +44,61 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   `local_accumulation` = (mesh, data-parallel axes, per-device activation rules), for layouts whose
   gradients are replicated over the data-parallel axes (DDP, ZeRO-1): each device sums its own
   microbatches' gradients and they are reduced once per step, not once per microbatch (what
-  PyTorch DDP's no_sync does)."""
+  PyTorch DDP's no_sync does).
+
+  `dropout_seed`: LoRA dropout, with a key per step and microbatch drawn from it (None: no dropout)."""
 
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-  def accumulate_all(params, batch, scale, constrain_grads: bool):
+  def accumulate_all(params, frozen, batch, scale, step_key, constrain_grads: bool):
     """Sum of the (scaled) gradients and of the losses over the microbatches of `batch`."""
-    def scaled_loss(p, microbatch):
-      loss = cross_entropy(graphdef, p, microbatch)
+    def scaled_loss(p, microbatch, key):
+      loss = cross_entropy(graphdef, p, frozen, microbatch, key)
       return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
     keep = place if constrain_grads else (lambda tree: tree)
 
-    def accumulate(carry, microbatch):
+    def accumulate(carry, inputs):
+      microbatch, index = inputs
       grad_sum, loss_sum = carry
-      (_, loss), grads = grad_fn(params, microbatch)
+      key = None if step_key is None else jax.random.fold_in(step_key, index)
+      (_, loss), grads = grad_fn(params, microbatch, key)
       return (keep(jax.tree.map(jnp.add, grad_sum, keep(grads))), loss_sum + loss), None
 
     zeros = keep(jax.tree.map(jnp.zeros_like, params))
     (grad_sum, loss_sum), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.zeros((), jnp.float32)), split_microbatches(batch, microbatches))
+        accumulate, (zeros, jnp.zeros((), jnp.float32)),
+        (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
     return grad_sum, loss_sum
 
   def train_step(state: dict, batch: dict):
-    params = state['params']
+    params, frozen = state['params'], state.get('frozen', {})
     scale = state['loss_scale']['scale'] if policy.loss_scaling else jnp.float32(1.0)
+    step_key = (None if dropout_seed is None else
+                jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state['step']))
 
     if local_accumulation is None or microbatches == 1:
-      grad_sum, loss_sum = accumulate_all(params, batch, scale, constrain_grads=True)
+      grad_sum, loss_sum = accumulate_all(params, frozen, batch, scale, step_key,
+                                          constrain_grads=True)
       ways = 1
     else:
       mesh, axes, rules = local_accumulation
 
-      def per_device(params, local_batch, scale):
+      def per_device(params, frozen, local_batch, scale, step_key):
+        if step_key is not None:   # each device's rows get their own dropout masks
+          step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axes))
         with linen.logical_axis_rules(rules):   # inside, the batch is this device's own rows
-          sums = accumulate_all(params, local_batch, scale, constrain_grads=False)
+          sums = accumulate_all(params, frozen, local_batch, scale, step_key,
+                                constrain_grads=False)
         return jax.lax.psum(sums, axes)
 
+      whole = PartitionSpec()
       grad_sum, loss_sum = jax.shard_map(
-          per_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axes), PartitionSpec()),
-          out_specs=PartitionSpec(), axis_names=frozenset(axes), check_vma=False)(params, batch, scale)
+          per_device, mesh=mesh, in_specs=(whole, whole, PartitionSpec(axes), whole, whole),
+          out_specs=whole, axis_names=frozenset(axes), check_vma=False)(
+              params, frozen, batch, scale, step_key)
       ways = math.prod(mesh.shape[a] for a in axes)
     # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
     # Adam's moments), and the new state could not reuse the donated buffers.
@@ -91,8 +106,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     loss = loss_sum / (microbatches * ways)
 
     updates, opt_state = tx.update(grads, state['opt_state'], params)
-    new_state = {'step': state['step'] + 1, 'params': optax.apply_updates(params, updates),
-                 'opt_state': opt_state, 'loss_scale': state['loss_scale']}
+    new_state = {**state, 'step': state['step'] + 1,
+                 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
     metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
     if policy.loss_scaling:
