@@ -144,6 +144,7 @@ def main(argv):
   from data import DataError
   from train import checks, run
   from train.checkpoint import CheckpointError
+  from train.init_from import InitError
 
   import jax
   config = _CONFIG.value
@@ -165,7 +166,7 @@ def main(argv):
       run.dry_run(config, workdir)
     else:
       run.train_and_evaluate(config, workdir)
-  except (checks.ConfigError, DataError, CheckpointError) as e:
+  except (checks.ConfigError, DataError, CheckpointError, InitError) as e:
     sys.exit(f'error: {e}')
   print(f'outputs     {os.path.abspath(workdir)}')
 

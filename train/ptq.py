@@ -40,8 +40,9 @@ def run_config(workdir: str, defaults: ml_collections.ConfigDict) -> ml_collecti
   return config
 
 
-def restore_params(workdir: str, config, step: int | None = None) -> dict:
-  """The trained parameters (a pure dict, on the default device) of `workdir`'s latest checkpoint."""
+def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict, dict]:
+  """(trainable params, frozen LoRA base or {}) of `workdir`'s latest checkpoint (or `step`),
+  on the default device."""
   from train import run   # run.py is the layer above; imported here only to rebuild the layout
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isdir(directory):   # checked first: the checkpoint manager would create it
@@ -52,9 +53,14 @@ def restore_params(workdir: str, config, step: int | None = None) -> dict:
     raise CheckpointError(f'{workdir}/checkpoints holds no checkpoint; train first')
   s = run.setup(config, devices=jax.devices()[:1])
   checkpoints.check_shapes(step, s.layout.abstract)
-  params = checkpoints.restore_state(step, s.layout.abstract)['params']
+  state = checkpoints.restore_state(step, s.layout.abstract)
   checkpoints.close()
-  return params
+  return state['params'], state.get('frozen', {})
+
+
+def restore_params(workdir: str, config, step: int | None = None) -> dict:
+  """The trained parameters (a pure dict, on the default device) of a run without LoRA."""
+  return restore_weights(workdir, config, step)[0]
 
 
 def build_quantized(config, policy: Policy, params: dict | None, fmt: str | None) -> nnx.Module:

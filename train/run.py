@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 import data as data_lib
 from memory.compiled import compiled_memory, format_bytes, peak_device_memory
-from memory.estimate import StepShape, estimate
+from memory.estimate import Frozen, StepShape, estimate
 from models.config import ModelConfig
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
@@ -22,19 +22,20 @@ from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
 from quant.precision import Policy
 from quant.recipe import describe as describe_recipe
-from train import checks
+from train import checks, init_from
 from train.checkpoint import Checkpointer
 from train.evaluate import evaluate, make_eval_step
 from train.metrics import MetricsWriter
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
-from train.state import StateLayout, moment_block_axes, state_layout
+from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout
 from train.step import make_train_step
 
 
 @dataclasses.dataclass
 class Setup:
   config: object
+  spec: ModelSpec           # the model, its precision, adapters and frozen-base storage
   model: ModelConfig
   policy: Policy
   mesh: jax.sharding.Mesh
@@ -57,7 +58,8 @@ def _is_main() -> bool:
 
 def setup(config, devices=None) -> Setup:
   """Validate and lay out everything; allocates nothing. `devices`: default all of them."""
-  model, policy = checks.model_config(config), checks.policy(config)
+  spec = checks.model_spec(config)
+  model, policy = spec.config, spec.policy
   try:
     mesh = make_mesh(dict(config.mesh), devices)
   except ValueError as e:
@@ -66,12 +68,11 @@ def setup(config, devices=None) -> Setup:
                       process_count=jax.process_count(),
                       tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
-  block_axes = (moment_block_axes(model, policy, mesh, rules, config.train.seed)
-                if config.quant.adam_bits == 8 else None)
+  block_axes = moment_block_axes(spec, mesh, rules) if config.quant.adam_bits == 8 else None
   tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
                       amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes)
   try:
-    layout = state_layout(model, policy, tx, mesh, rules, config.train.seed)
+    layout = state_layout(spec, tx, mesh, rules)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   # Per-device accumulation needs more than one data-parallel device (with one there is nothing to
@@ -79,13 +80,15 @@ def setup(config, devices=None) -> Setup:
   # tensor axis).
   local = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
            if rules.grads_replicated and data_parallel_size(mesh) > 1 else None)
+  dropout = spec.adapters is not None and spec.adapters.dropout > 0
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
-                            layout.grad_shardings, local)
+                            layout.grad_shardings, local,
+                            dropout_seed=config.train.seed if dropout else None)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
-  return Setup(config, model, policy, mesh, rules, layout, train_step, tokens_sharding)
+  return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding)
 
 
 def compile_train_step(s: Setup):
@@ -104,14 +107,25 @@ def memory_report(s: Setup, compiled) -> dict:
                     adam_bits=s.config.quant.adam_bits,
                     adam_block_size=s.config.quant.adam_block_size,
                     backend=s.mesh.devices.flat[0].platform)
+  trainable, base = trainable_and_frozen(s)
+  frozen = Frozen(trainable, base) if 'frozen' in s.layout.abstract else None
   return {
       'num_params': s.model.num_params,
+      'trainable_params': trainable,
+      'frozen_bytes': base,
       'mesh': dict(s.mesh.shape),
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
-      'estimate_bytes': estimate(s.model, s.policy, shape),
+      'estimate_bytes': estimate(s.model, s.policy, shape, frozen),
       'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
   }
+
+
+def trainable_and_frozen(s: Setup) -> tuple[int, int]:
+  """Values that train, and bytes of the frozen base (0 without LoRA), for the whole model."""
+  leaves = lambda key: jax.tree.leaves(s.layout.abstract.get(key, {}))
+  return (sum(x.size for x in leaves('params')),
+          sum(x.size * x.dtype.itemsize for x in leaves('frozen')))
 
 
 def print_summary(s: Setup, memory: dict) -> None:
@@ -126,6 +140,13 @@ def print_summary(s: Setup, memory: dict) -> None:
         f'mesh {dict(s.mesh.shape)}')
   print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
         f'd_model {s.model.d_model}, remat {s.model.remat}')
+  adapters = s.spec.adapters
+  if adapters is not None:
+    storage = s.spec.base_format or f'{jax.numpy.dtype(s.policy.compute_dtype).name} matrices'
+    print(f'lora        rank {adapters.rank}, alpha {adapters.alpha:g}, dropout {adapters.dropout:g} '
+          f'on {adapters.targets!r}; trainable {memory["trainable_params"] / 1e6:.3f} M of '
+          f'{s.model.num_params / 1e6:.2f} M parameters; frozen base {format_bytes(memory["frozen_bytes"])}'
+          f' ({storage})')
   print(f'layout      zero_stage {s.config.parallel.zero_stage}; batch {s.config.train.batch_size} '
         f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
   b = format_bytes
@@ -151,7 +172,16 @@ def _write_json(path: str, value) -> None:
       f.write('\n')
 
 
+def _open_source(config):
+  """The init_from source, with the model shape taken from it (before anything is built)."""
+  source = init_from.open_source(config)
+  if source is not None:
+    init_from.apply_model_fields(config, source)
+  return source
+
+
 def dry_run(config, workdir: str) -> dict:
+  _open_source(config)
   s = setup(config)
   data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
   checkpoints, _ = _existing_checkpoints(s, workdir)   # nor may it overwrite another model's memory.json
@@ -179,6 +209,7 @@ def _global_batch(s: Setup, local: dict) -> dict:
 
 def train_and_evaluate(config, workdir: str) -> dict:
   """Train (or resume) in `workdir`; returns the last evaluation."""
+  source = _open_source(config)
   s = setup(config)
   train = config.train
   tokenizer, train_tokens, val_tokens = load_data(config)
@@ -203,7 +234,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if start is None:
     checkpoints = checkpoints or Checkpointer(os.path.join(workdir, 'checkpoints'),
                                               keep=train.keep_checkpoints)
-    state, start = s.layout.init(), 0
+    state, start = (s.layout.init() if source is None else init_from.initial_state(s, source)), 0
+    if source is not None and _is_main():
+      print(f'init        base weights from {source.description}')
   else:
     state = checkpoints.restore_state(start, s.layout.abstract)
     if _is_main():
@@ -212,6 +245,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   with s.context():
     eval_step = jax.jit(make_eval_step(s.layout.graphdef),
                         in_shardings=(s.layout.shardings['params'],
+                                      s.layout.shardings.get('frozen', {}),
                                       {'inputs': s.batch_sharding, 'targets': s.batch_sharding}),
                         out_shardings=replicated(s.mesh))
   metrics = MetricsWriter(workdir, enabled=_is_main())
@@ -220,7 +254,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   def run_eval(step: int) -> dict:
     with s.context():
-      result = evaluate(eval_step, state['params'], eval_batches,
+      result = evaluate(eval_step, state['params'], eval_batches, frozen=state.get('frozen'),
                         bytes_per_token=1.0)  # the byte tokenizer: one token is one byte
     if _is_main():
       tqdm.write(f'eval  step {step}: loss {result["eval_loss"]:.4f} nats/token, '
@@ -290,6 +324,7 @@ def _print_sample(s: Setup, state, tokenizer) -> None:
   sample = s.config.sample
   # No rules in context: a batch of one cannot be split over the data-parallel devices.
   tokens = generate(s.layout.graphdef, state['params'], tokenizer.encode(sample.prompt),
+                    frozen=state.get('frozen'),
                     num_tokens=sample.length, window=s.config.train.seq_len,
                     temperature=sample.temperature, seed=s.config.train.seed,
                     vocab_limit=tokenizer.vocab_size)

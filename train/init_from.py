@@ -1,0 +1,202 @@
+"""Where a fresh run's weights come from (`init_from`): random (''), a local Hugging Face Llama or
+GPT-2 checkpoint ('hf:DIR'), or the latest checkpoint of an earlier run of ours ('run:DIR').
+
+The model's shape is the source's (read from its config.json before anything is built). The base
+weights are read and placed one tensor at a time, each straight into its sharding on the current
+mesh, and (QLoRA) quantized as soon as it is on the devices, so neither the host nor the devices
+ever hold two copies of the model, and a quantized base never exists whole in floats. What the
+source does not hold (LoRA adapters, fp8 amax histories, the optimizer state) comes from the
+random initialiser, jitted without the base so that XLA drops the random base altogether.
+"""
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from parallel.sharding import logical_axes_tree, shardings_for
+from quant.lora import LoraSpec, dense_paths
+from quant.weights import quantize_parts
+from train.checkpoint import CheckpointError, Checkpointer
+
+KINDS = ('hf', 'run')
+
+
+class InitError(ValueError):
+  pass
+
+
+@dataclasses.dataclass
+class Source:
+  """Base weights by parameter path: `read(path, abstract)` returns the array, placed as
+  `abstract` (a ShapeDtypeStruct with a sharding) says."""
+  description: str
+  model_fields: dict
+  read: Callable[[tuple, jax.ShapeDtypeStruct], jax.Array]
+
+
+def open_source(config) -> Source | None:
+  """The source `config.init_from` names, checked (None for a random start)."""
+  spec = config.init_from
+  if not spec:
+    return None
+  kind, sep, path = spec.partition(':')
+  if not sep or kind not in KINDS or not path:
+    raise InitError(f'init_from={spec!r}; allowed: "" (random), "hf:DIR" (a Hugging Face '
+                    f'checkpoint directory) or "run:DIR" (a workdir of an earlier run)')
+  path = os.path.expanduser(path)
+  return _hf_source(path) if kind == 'hf' else _run_source(path)
+
+
+def _hf_source(directory: str) -> Source:
+  from convert import ConvertError, HFCheckpoint
+  try:
+    checkpoint = HFCheckpoint(directory)
+    fields = checkpoint.model_fields()
+  except ConvertError as e:
+    raise InitError(str(e)) from None
+
+  def read(path, abstract):
+    try:
+      host = checkpoint.read(path, abstract.shape, abstract.dtype)
+    except ConvertError as e:
+      raise InitError(str(e)) from None
+    return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
+
+  return Source(f'{checkpoint.arch} checkpoint {os.path.abspath(directory)}', fields, read)
+
+
+def _run_source(workdir: str) -> Source:
+  config_path = os.path.join(workdir, 'config.json')
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isfile(config_path) or not os.path.isdir(directory):
+    raise InitError(f'init_from=run:{workdir}: no config.json and checkpoints/ there; point it at '
+                    f'the workdir of an earlier training run')
+  import json
+  with open(config_path) as f:
+    saved = json.load(f)
+  if saved.get('lora', {}).get('rank', 0):
+    raise InitError(f'init_from=run:{workdir} is a LoRA run (lora.rank={saved["lora"]["rank"]}); '
+                    f'export it merged (python -m train.export_hf) and use init_from=hf:DIR')
+  checkpoints = Checkpointer(directory, keep=1 << 30)
+  step = checkpoints.latest_step()
+  checkpoints.close()
+  if step is None:
+    raise InitError(f'init_from=run:{workdir}: {directory} holds no checkpoint')
+  state_dir = os.path.abspath(os.path.join(directory, str(step), 'state'))
+  stored = ocp.PyTreeCheckpointer().metadata(state_dir)
+  stored = getattr(stored, 'item_metadata', stored)['params']
+
+  def read(path, abstract):
+    node = stored
+    for key in path:
+      node = node.get(key) if isinstance(node, dict) else None
+    if node is None or tuple(node.shape) != tuple(abstract.shape):
+      have = None if node is None else tuple(node.shape)
+      raise InitError(f'{state_dir}: params/{"/".join(path)} has shape {have} there but '
+                      f'{tuple(abstract.shape)} in this config')
+    target = jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=abstract.sharding)
+    item = {'params': _nest(path, target)}
+    restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True))
+    leaf = restored['params']
+    for key in path:
+      leaf = leaf[key]
+    return leaf.astype(abstract.dtype)
+
+  return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read)
+
+
+def apply_model_fields(config, source: Source) -> None:
+  """The model shape is the source's; the remat policy stays this run's choice."""
+  with config.unlocked():
+    for key, value in source.model_fields.items():
+      if key != 'remat':
+        config.model[key] = value
+
+
+def _nest(path: tuple, leaf) -> dict:
+  for key in reversed(path):
+    leaf = {key: leaf}
+  return leaf
+
+
+def _get(tree: dict, path: tuple):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree[key]
+  tree[path[-1]] = value
+
+
+def _drop(tree: dict, paths: list[tuple]) -> dict:
+  """A copy of `tree` without the leaves at `paths`."""
+  out = jax.tree.map(lambda x: x, tree)
+  for path in paths:
+    node = out
+    for key in path[:-1]:
+      node = node[key]
+    del node[path[-1]]
+  return out
+
+
+def base_paths(abstract_float_model: nnx.Module) -> list[tuple]:
+  """The paths of the base weights a source provides: every parameter but the adapters, the fp8
+  amax histories and learned quantization step sizes."""
+  params = nnx.to_pure_dict(nnx.state(abstract_float_model, nnx.Param))
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  paths = [tuple(str(k.key) for k in path) for path, _ in flat]
+  return [p for p in paths if p[-1] not in ('amax_history', 'step_size') and 'lora' not in p]
+
+
+def initial_state(s, source: Source) -> dict:
+  """The train state of a fresh run whose base weights come from `source` (s: run.Setup)."""
+  spec, layout = s.spec, s.layout
+  float_model = nnx.eval_shape(lambda: spec.build(quantize=False))
+  paths = base_paths(float_model)
+  where = 'frozen' if spec.adapters else 'params'
+  # Everything else from the random initialiser; the base is not returned, so XLA drops it.
+  def rest():
+    state = layout.init_fn()
+    state.pop('frozen', None)
+    if where == 'params':
+      state['params'] = _drop(state['params'], paths)
+    return state
+  rest_shardings = dict(layout.shardings)
+  rest_shardings.pop('frozen', None)
+  if where == 'params':
+    rest_shardings['params'] = _drop(rest_shardings['params'], paths)
+  state = jax.jit(rest, out_shardings=rest_shardings)()
+  if where == 'frozen':   # every frozen leaf is a base weight, filled below
+    state['frozen'] = jax.tree.map(lambda x: x, layout.abstract['frozen'])
+
+  float_axes = logical_axes_tree(nnx.state(float_model, nnx.Param))
+  float_shardings = shardings_for(float_axes, s.mesh, s.rules.params)
+  float_shapes = nnx.to_pure_dict(nnx.state(float_model, nnx.Param))
+  kernels = {tuple(p.split('/')) + ('kernel',): d for p, d in dense_paths(float_model)}
+  target = state[where]
+  for path in paths:
+    placed = _get(layout.abstract[where], path)
+    if isinstance(placed, dict):   # a quantized kernel (QLoRA): quantize as soon as it is placed
+      dense = kernels[path]
+      float_abstract = jax.ShapeDtypeStruct(_get(float_shapes, path).shape,
+                                            spec.policy.compute_dtype,
+                                            sharding=_get(float_shardings, path))
+      kernel = source.read(path, float_abstract)
+      stacked = kernel.ndim > len(dense.in_features) + len(dense.out_features)
+      quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, len(dense.in_features),
+                                                  stacked),
+                         out_shardings=_get(layout.shardings[where], path))
+      _set(target, path, quantize(kernel))
+      del kernel
+    else:
+      _set(target, path, source.read(path, placed))
+  return state
