@@ -129,6 +129,11 @@ class HFCheckpoint:
       self._check_tensor(name, link)
     return link
 
+  def check(self, path: tuple[str, ...], shape: tuple) -> None:
+    """ConvertError unless our parameter at `path` has `shape` and its tensors are in the files
+    with the shapes config.json implies (headers only: no tensor data is read)."""
+    self._link(tuple(path), _shape(shape))
+
   def read(self, path: tuple[str, ...], shape: tuple, dtype) -> np.ndarray:
     """Our parameter at `path` (e.g. ('blocks', 'attention', 'query', 'kernel')), in our layout and
     `dtype`; a stacked parameter reads each layer's tensor into one [num_layers, ...] array."""

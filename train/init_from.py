@@ -9,18 +9,18 @@ source does not hold (LoRA adapters, fp8 amax histories, the optimizer state) co
 random initialiser, jitted without the base so that XLA drops the random base altogether.
 """
 import dataclasses
+import json
 import os
 from typing import Callable
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from parallel.sharding import logical_axes_tree, shardings_for
-from quant.lora import LoraSpec, dense_paths
+from quant.lora import dense_paths
 from quant.weights import quantize_parts
-from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint import Checkpointer
 
 KINDS = ('hf', 'run')
 
@@ -32,10 +32,12 @@ class InitError(ValueError):
 @dataclasses.dataclass
 class Source:
   """Base weights by parameter path: `read(path, abstract)` returns the array, placed as
-  `abstract` (a ShapeDtypeStruct with a sharding) says."""
+  `abstract` (a ShapeDtypeStruct with a sharding) says; `check(path, shape)` raises InitError
+  naming the tensor and both shapes where they differ, reading no tensor data."""
   description: str
   model_fields: dict
   read: Callable[[tuple, jax.ShapeDtypeStruct], jax.Array]
+  check: Callable[[tuple, tuple], None]
 
 
 def open_source(config) -> Source | None:
@@ -66,7 +68,13 @@ def _hf_source(directory: str) -> Source:
       raise InitError(str(e)) from None
     return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
 
-  return Source(f'{checkpoint.arch} checkpoint {os.path.abspath(directory)}', fields, read)
+  def check(path, shape):
+    try:
+      checkpoint.check(path, shape)
+    except ConvertError as e:
+      raise InitError(str(e)) from None
+
+  return Source(f'{checkpoint.arch} checkpoint {os.path.abspath(directory)}', fields, read, check)
 
 
 def _run_source(workdir: str) -> Source:
@@ -75,7 +83,6 @@ def _run_source(workdir: str) -> Source:
   if not os.path.isfile(config_path) or not os.path.isdir(directory):
     raise InitError(f'init_from=run:{workdir}: no config.json and checkpoints/ there; point it at '
                     f'the workdir of an earlier training run')
-  import json
   with open(config_path) as f:
     saved = json.load(f)
   if saved.get('lora', {}).get('rank', 0):
@@ -90,14 +97,18 @@ def _run_source(workdir: str) -> Source:
   stored = ocp.PyTreeCheckpointer().metadata(state_dir)
   stored = getattr(stored, 'item_metadata', stored)['params']
 
-  def read(path, abstract):
+  def check(path, shape):
     node = stored
     for key in path:
       node = node.get(key) if isinstance(node, dict) else None
-    if node is None or tuple(node.shape) != tuple(abstract.shape):
+    if node is None or tuple(node.shape) != tuple(shape):
       have = None if node is None else tuple(node.shape)
       raise InitError(f'{state_dir}: params/{"/".join(path)} has shape {have} there but '
-                      f'{tuple(abstract.shape)} in this config')
+                      f'{tuple(shape)} in this config')
+    return node
+
+  def read(path, abstract):
+    node = check(path, abstract.shape)
     target = jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=abstract.sharding)
     item = {'params': _nest(path, target)}
     restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
@@ -108,7 +119,7 @@ def _run_source(workdir: str) -> Source:
       leaf = leaf[key]
     return leaf.astype(abstract.dtype)
 
-  return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read)
+  return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read, check)
 
 
 def apply_model_fields(config, source: Source) -> None:
@@ -148,28 +159,61 @@ def _drop(tree: dict, paths: list[tuple]) -> dict:
   return out
 
 
-def base_paths(abstract_float_model: nnx.Module) -> list[tuple]:
-  """The paths of the base weights a source provides: every parameter but the adapters, the fp8
-  amax histories and learned quantization step sizes."""
-  params = nnx.to_pure_dict(nnx.state(abstract_float_model, nnx.Param))
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  paths = [tuple(str(k.key) for k in path) for path, _ in flat]
-  return [p for p in paths if p[-1] not in ('amax_history', 'step_size') and 'lora' not in p]
+@dataclasses.dataclass
+class BaseLeaf:
+  """One base weight as the source holds it (float) and where it goes in the train state."""
+  path: tuple
+  source: jax.ShapeDtypeStruct   # shape, dtype and sharding it is read into
+  dense: object | None           # a Dense whose kernel is stored quantized (QLoRA), else None
+
+
+def base_leaves(s) -> list[BaseLeaf]:
+  """The base weights a source provides (every parameter but the adapters, the fp8 amax
+  histories and learned quantization step sizes), in the order they are loaded."""
+  spec, layout = s.spec, s.layout
+  where = 'frozen' if spec.adapters else 'params'
+  float_model = nnx.eval_shape(lambda: spec.build(quantize=False))
+  float_params = nnx.state(float_model, nnx.Param)
+  float_shardings = shardings_for(logical_axes_tree(float_params), s.mesh, s.rules.params)
+  shapes = nnx.to_pure_dict(float_params)
+  kernels = {tuple(p.split('/')) + ('kernel',): d for p, d in dense_paths(float_model)}
+  leaves = []
+  for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    path = tuple(str(k.key) for k in path)
+    if path[-1] in ('amax_history', 'step_size') or 'lora' in path:
+      continue
+    placed = _get(layout.abstract[where], path)
+    if isinstance(placed, dict):   # quantized parts: read in the compute dtype, then quantized
+      abstract = jax.ShapeDtypeStruct(shape.shape, spec.policy.compute_dtype,
+                                      sharding=_get(float_shardings, path))
+      leaves.append(BaseLeaf(path, abstract, kernels[path]))
+    else:
+      leaves.append(BaseLeaf(path, placed, None))
+  return leaves
+
+
+def check_source(s, source: Source) -> list[BaseLeaf]:
+  """Every base weight's shape against the source, before anything is compiled or written."""
+  leaves = base_leaves(s)
+  for leaf in leaves:
+    source.check(leaf.path, leaf.source.shape)
+  return leaves
 
 
 def initial_state(s, source: Source) -> dict:
   """The train state of a fresh run whose base weights come from `source` (s: run.Setup)."""
   spec, layout = s.spec, s.layout
-  float_model = nnx.eval_shape(lambda: spec.build(quantize=False))
-  paths = base_paths(float_model)
+  leaves = base_leaves(s)
+  paths = [leaf.path for leaf in leaves]
   where = 'frozen' if spec.adapters else 'params'
-  # Everything else from the random initialiser; the base is not returned, so XLA drops it.
-  def rest():
-    state = layout.init_fn()
+
+  def rest():   # everything else from the random initialiser; the base is not returned, so XLA
+    state = layout.init_fn()   # drops it
     state.pop('frozen', None)
     if where == 'params':
       state['params'] = _drop(state['params'], paths)
     return state
+
   rest_shardings = dict(layout.shardings)
   rest_shardings.pop('frozen', None)
   if where == 'params':
@@ -177,26 +221,13 @@ def initial_state(s, source: Source) -> dict:
   state = jax.jit(rest, out_shardings=rest_shardings)()
   if where == 'frozen':   # every frozen leaf is a base weight, filled below
     state['frozen'] = jax.tree.map(lambda x: x, layout.abstract['frozen'])
-
-  float_axes = logical_axes_tree(nnx.state(float_model, nnx.Param))
-  float_shardings = shardings_for(float_axes, s.mesh, s.rules.params)
-  float_shapes = nnx.to_pure_dict(nnx.state(float_model, nnx.Param))
-  kernels = {tuple(p.split('/')) + ('kernel',): d for p, d in dense_paths(float_model)}
-  target = state[where]
-  for path in paths:
-    placed = _get(layout.abstract[where], path)
-    if isinstance(placed, dict):   # a quantized kernel (QLoRA): quantize as soon as it is placed
-      dense = kernels[path]
-      float_abstract = jax.ShapeDtypeStruct(_get(float_shapes, path).shape,
-                                            spec.policy.compute_dtype,
-                                            sharding=_get(float_shardings, path))
-      kernel = source.read(path, float_abstract)
-      stacked = kernel.ndim > len(dense.in_features) + len(dense.out_features)
-      quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, len(dense.in_features),
-                                                  stacked),
-                         out_shardings=_get(layout.shardings[where], path))
-      _set(target, path, quantize(kernel))
-      del kernel
-    else:
-      _set(target, path, source.read(path, placed))
+  for leaf in leaves:
+    value = source.read(leaf.path, leaf.source)
+    if leaf.dense is not None:   # QLoRA: quantized as soon as it is on the devices
+      n_in = len(leaf.dense.in_features)
+      stacked = value.ndim > n_in + len(leaf.dense.out_features)
+      quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, n_in, stacked),
+                         out_shardings=_get(layout.shardings[where], leaf.path))
+      value = quantize(value)
+    _set(state[where], leaf.path, value)
   return state

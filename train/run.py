@@ -181,8 +181,10 @@ def _open_source(config):
 
 
 def dry_run(config, workdir: str) -> dict:
-  _open_source(config)
+  source = _open_source(config)
   s = setup(config)
+  if source is not None:
+    init_from.check_source(s, source)
   data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
   checkpoints, _ = _existing_checkpoints(s, workdir)   # nor may it overwrite another model's memory.json
   if checkpoints:
@@ -223,6 +225,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   checkpoints, start = _existing_checkpoints(s, workdir)
   if start is not None:   # refuse a checkpoint of another model or data stream before any write
     batches.set_state(checkpoints.restore_data(start))
+  elif source is not None:   # and a source whose tensors disagree with the model
+    init_from.check_source(s, source)
 
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)

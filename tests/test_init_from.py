@@ -1,0 +1,138 @@
+"""Fine-tuning from a checkpoint (`init_from`): a Hugging Face checkpoint or an earlier run loads
+into the state sharded on the mesh (quantized on load for QLoRA), a LoRA run exports merged to a
+checkpoint transformers reads with the same logits, and a bad source is one line before any write."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from configs import finetune
+from convert import HFCheckpoint
+from quant.weights import quantize_parts
+from tests.helpers import random_tokens, tiny_config
+from train import checks, init_from, run
+from train.export_hf import export_run, merged_params
+from train.ptq import restore_weights
+
+TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               rope_theta=10000.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope='module')
+def hf_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  directory = str(tmp_path_factory.mktemp('llama'))
+  LlamaForCausalLM(LlamaConfig(**TINY_HF)).save_pretrained(directory)
+  return directory
+
+
+def _setup(config, devices=8):
+  source = run._open_source(config)
+  return run.setup(config, devices=jax.devices()[:devices]), source
+
+
+def _leaves_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_full_fine_tuning_loads_every_weight_sharded_under_zero3(hf_dir):
+  config = tiny_config(**{'init_from': f'hf:{hf_dir}', 'mesh.data': 1, 'mesh.fsdp': 8,
+                          'parallel.zero_stage': 3})
+  s, source = _setup(config)
+  assert config.model.tie_embeddings is False and config.model.mlp_dim == 192   # the source's shape
+  state = init_from.initial_state(s, source)
+  expected = HFCheckpoint(hf_dir).read_all(s.layout.abstract['params'])
+  _leaves_equal(state['params'], expected)
+  kernel = state['params']['blocks']['mlp']['up']['kernel']
+  assert kernel.sharding == s.layout.shardings['params']['blocks']['mlp']['up']['kernel']
+  assert kernel.addressable_shards[0].data.size * 8 == kernel.size
+
+
+def test_qlora_quantizes_on_load_into_the_sharded_base(hf_dir):
+  config = finetune.finetune_config('qlora', 'tiny')
+  config.init_from = f'hf:{hf_dir}'
+  s, source = _setup(config)
+  state = init_from.initial_state(s, source)
+  frozen = state['frozen']
+  up = frozen['blocks']['mlp']['up']['kernel']
+  assert set(up) == {'codes', 'scale', 'scale_scale', 'scale_mean'}
+  assert up['codes'].addressable_shards[0].data.size * 8 == up['codes'].size
+  # The same parts as quantizing the (bf16-rounded) float kernel on one device.
+  float_up = HFCheckpoint(hf_dir).read(('blocks', 'mlp', 'up', 'kernel'), (2, 64, 192),
+                                       jax.numpy.bfloat16)
+  _leaves_equal(up, quantize_parts(jax.numpy.asarray(float_up), 'nf4', 1, True))
+  assert 'lora' in state['params']['blocks']['attention']['query']
+
+
+def test_lora_from_an_earlier_run_starts_from_its_weights_and_exports_merged(tmp_path):
+  base_dir, tuned_dir = str(tmp_path / 'base'), str(tmp_path / 'tuned')
+  run.train_and_evaluate(tiny_config(**{'train.steps': 2}), base_dir)
+  config = tiny_config(**{'train.steps': 4, 'init_from': f'run:{base_dir}', 'lora.rank': 4,
+                          'lora.alpha': 64.0, 'train.learning_rate': 1e-2})
+  run.train_and_evaluate(config, tuned_dir)
+  base_params, _ = restore_weights(base_dir, tiny_config())
+  params, frozen = restore_weights(tuned_dir, config)
+  _leaves_equal(frozen, base_params)   # fp32 policy: the frozen base is the run's, bit for bit
+  b = params['blocks']['attention']['query']['lora']['b']
+  assert np.abs(np.asarray(b)).max() > 0   # the adapters trained
+
+  # Export merged; transformers computes what our adapted model computes.
+  out = str(tmp_path / 'hf')
+  export_run(tuned_dir, out)
+  spec = checks.model_spec(config)
+  graphdef = nnx.split(nnx.eval_shape(spec.build), spec.trainable, ...)[0]
+  tokens = random_tokens((2, 32))
+  ours = np.asarray(nnx.merge(graphdef, params, frozen)(tokens))
+  hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = hf(torch.from_numpy(tokens).long()).logits.numpy()
+  assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
+  assert 'lora' not in json.dumps(jax.tree.map(lambda x: None, merged_params(config, params,
+                                                                            frozen)))
+
+
+def test_qlora_dry_run_needs_no_checkpoint(tmp_path):
+  memory = run.dry_run(finetune.finetune_config('qlora', 'tiny'), str(tmp_path / 'dry'))
+  assert memory['trainable_params'] < memory['num_params'] / 10
+  assert memory['frozen_bytes'] > 0
+
+
+@pytest.mark.parametrize('init, message', [
+    ('weights.bin', 'init_from=\'weights.bin\'; allowed: "" .random., "hf:DIR"'),
+    ('hf:/no/such/dir', '/no/such/dir is not a directory'),
+    ('run:/no/such/run', 'no config.json and checkpoints/ there'),
+])
+def test_a_bad_source_is_refused_before_anything_is_written(tmp_path, init, message):
+  workdir = tmp_path / 'run'
+  with pytest.raises(init_from.InitError, match=message):
+    run.train_and_evaluate(tiny_config(**{'init_from': init}), str(workdir))
+  assert not workdir.exists()
+
+
+def test_tensors_that_disagree_with_config_json_are_named_before_any_write(hf_dir, tmp_path):
+  broken = tmp_path / 'broken'
+  broken.mkdir()
+  for name in os.listdir(hf_dir):
+    os.symlink(os.path.join(hf_dir, name), broken / name)
+  os.remove(broken / 'config.json')
+  hf_config = json.load(open(os.path.join(hf_dir, 'config.json')))
+  (broken / 'config.json').write_text(json.dumps({**hf_config, 'intermediate_size': 256}))
+  workdir = tmp_path / 'run'
+  with pytest.raises(init_from.InitError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' in "
+                     r".*has shape \(64, 192\); .*config.json expects \(64, 256\)"):
+    run.train_and_evaluate(tiny_config(**{'init_from': f'hf:{broken}'}), str(workdir))
+  assert not workdir.exists()
+
+
+def test_a_lora_run_is_not_a_base_to_start_from(tmp_path):
+  lora_dir = tmp_path / 'lora'
+  run.train_and_evaluate(tiny_config(**{'train.steps': 1, 'lora.rank': 2}), str(lora_dir))
+  with pytest.raises(init_from.InitError, match='is a LoRA run'):
+    run.train_and_evaluate(tiny_config(**{'init_from': f'run:{lora_dir}'}), str(tmp_path / 'x'))
