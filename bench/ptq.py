@@ -49,7 +49,7 @@ def main(argv):
     params = ptq.restore_params(_WORKDIR.value, config)
   except CheckpointError as e:
     sys.exit(f'error: {e}')
-  _, _, val_tokens = run.load_data(config)
+  _, _, val_tokens, _ = run.load_data(config)
   batches = list(data_lib.eval_batches(val_tokens, seq_len=config.train.seq_len,
                                        batch_size=config.train.batch_size,
                                        num_batches=config.train.eval_batches))

@@ -48,6 +48,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.data = dict(
       path='',                            # a glob of text files; '' = the embedded stdlib corpus
       val_fraction=0.05,
+      tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint
+                                          # directory (fine-tuning an imported model on its vocabulary)
   )
   config.mesh = dict(data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
   config.parallel = dict(zero_stage=0)      # 0 DDP, 1-3 ZeRO stages over the fsdp axis

@@ -13,9 +13,11 @@ MODELS = {
     # ~104M parameters (byte vocabulary).
     '100m': dict(vocab_size=256, d_model=768, num_layers=12, num_heads=12, num_kv_heads=4,
                  head_dim=64, mlp_dim=3072, max_seq_len=1024),
-    # Llama-3.2-1B shapes (tied embeddings, 128k vocabulary).
+    # Llama-3.2-1B shapes (tied embeddings, 128k vocabulary, its config.json's RoPE scaling).
     '1b': dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-               head_dim=64, mlp_dim=8192, max_seq_len=8192, rope_theta=500000.0),
+               head_dim=64, mlp_dim=8192, max_seq_len=8192, rope_theta=500000.0,
+               rope_scaling='llama3', rope_factor=32.0, rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_max_len=8192),
     # Llama-2-7B shapes.
     '7b': dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                head_dim=128, mlp_dim=11008, max_seq_len=4096, tie_embeddings=False),
@@ -25,7 +27,8 @@ MODELS = {
     # Llama-3-405B (Llama 3.1) shapes: 126 layers, 128 query / 8 KV heads, 128k vocabulary.
     '405b': dict(vocab_size=128256, d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8,
                  head_dim=128, mlp_dim=53248, max_seq_len=8192, tie_embeddings=False,
-                 rope_theta=500000.0),
+                 rope_theta=500000.0, rope_scaling='llama3', rope_factor=8.0,
+                 rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192),
 }
 
 # How each preset trains by default: global batch in sequences, sequence length, microbatches,
@@ -51,8 +54,11 @@ TRAIN_SHAPES = {
 def model(name: str) -> dict:
   if name not in MODELS:
     raise ValueError(f'model preset {name!r} is not known; allowed: {", ".join(MODELS)}')
+  # Llama's defaults (GPT-2's options: models/config.py).
   base = dict(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, remat='none', init_std=0.02,
-              norm='rms', mlp='swiglu', positions='rope', bias=False)   # Llama; GPT-2: models/config.py
+              norm='rms', mlp='swiglu', positions='rope', bias=False, rope_scaling='none',
+              rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_original_max_len=8192)
   return {**base, **MODELS[name]}
 
 

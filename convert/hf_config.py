@@ -16,13 +16,19 @@ SUPPORTED = {'LlamaForCausalLM': ('llama', 'llama'), 'GPT2LMHeadModel': ('gpt2',
 _BY_ARCH = {arch: name for name, (arch, _) in SUPPORTED.items()}
 _BY_MODEL_TYPE = {model_type: arch for arch, model_type in SUPPORTED.values()}
 
-# The ModelConfig options that make each architecture.
+# The ModelConfig options that make each architecture (Llama takes any rope_scaling; GPT-2 none).
 OPTIONS = {'llama': dict(norm='rms', mlp='swiglu', positions='rope', bias=False),
-           'gpt2': dict(norm='layer', mlp='gelu', positions='learned', bias=True)}
+           'gpt2': dict(norm='layer', mlp='gelu', positions='learned', bias=True,
+                        rope_scaling='none')}
 
 LLAMA_ACTIVATIONS = ('silu', 'swish')                 # one function, two names in transformers
 GPT2_ACTIVATIONS = ('gelu_new', 'gelu_pytorch_tanh')  # the tanh approximation, as our 'gelu' MLP
 DTYPES = ('float32', 'bfloat16', 'float16')
+ROPE_TYPES = ('default', 'llama3')   # 'default' is plain RoPE, our rope_scaling='none'
+# A llama3 rope block's keys -> our ModelConfig fields.
+LLAMA3_ROPE_KEYS = {'factor': 'rope_factor', 'low_freq_factor': 'rope_low_freq_factor',
+                    'high_freq_factor': 'rope_high_freq_factor',
+                    'original_max_position_embeddings': 'rope_original_max_len'}
 
 
 def _supported_list() -> str:
@@ -76,22 +82,35 @@ def _refuse_unless(config: dict, key: str, default, allowed: tuple, where: str) 
                        f'{", ".join(repr(a) for a in allowed)}')
 
 
-def _rope_theta(config: dict, where: str) -> float:
-  """transformers 5 writes `rope_parameters: {rope_type, rope_theta}`; 4.x wrote a top-level
-  `rope_theta` and a `rope_scaling` dict (or null). Both are read."""
+def _rope_fields(config: dict, where: str) -> dict:
+  """rope_theta and the rope_scaling fields. transformers 5 writes `rope_parameters: {rope_type,
+  rope_theta, ...}`; 4.x wrote a top-level `rope_theta` and a `rope_scaling` dict (or null) with
+  `rope_type` (or `type`) and the scaling numbers. Both are read; rope_parameters wins."""
   params = config.get('rope_parameters') or {}
   scaling = config.get('rope_scaling') or {}
   for key, value in (('rope_parameters', params), ('rope_scaling', scaling)):
     if not isinstance(value, dict):
       raise ConvertError(f'{where}: {key}={value!r}; expected an object with rope_type and '
                          f'rope_theta')
-  rope_type = (params.get('rope_type') or scaling.get('rope_type') or scaling.get('type')
-               or 'default')
-  if rope_type != 'default':
-    # llama3 / linear / dynamic / yarn rescale the frequencies; ModelConfig has no fields for that.
-    raise ConvertError(f"{where}: rope type {rope_type!r} is not supported; only 'default' is "
-                       f'(plain RoPE, no frequency scaling)')
-  return float(params.get('rope_theta', config.get('rope_theta', 10000.0)))
+  block_name = 'rope_parameters' if params else 'rope_scaling'
+  rope = {**scaling, **params}
+  rope_type = rope.get('rope_type') or rope.get('type') or 'default'
+  if rope_type not in ROPE_TYPES:
+    # linear / dynamic / yarn / ... rescale the frequencies in ways our model does not compute.
+    raise ConvertError(f'{where}: rope type {rope_type!r} is not supported; supported: '
+                       f'{", ".join(repr(t) for t in ROPE_TYPES)}')
+  fields = dict(rope_theta=float(rope.get('rope_theta', config.get('rope_theta', 10000.0))))
+  if rope_type == 'default':
+    return dict(fields, rope_scaling='none')
+  for key, field in LLAMA3_ROPE_KEYS.items():
+    if key not in rope:
+      raise ConvertError(f"{where}: {block_name} has rope_type 'llama3' but no {key!r}, which "
+                         f'that scaling needs')
+    value = rope[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConvertError(f'{where}: {block_name}.{key}={value!r}; it must be a number')
+    fields[field] = value if field == 'rope_original_max_len' else float(value)
+  return dict(fields, rope_scaling='llama3')
 
 
 def _llama_fields(config: dict, where: str) -> dict:
@@ -107,8 +126,9 @@ def _llama_fields(config: dict, where: str) -> dict:
       head_dim=_size(config, 'head_dim', where, d_model // heads),
       mlp_dim=_size(config, 'intermediate_size', where),
       max_seq_len=_size(config, 'max_position_embeddings', where),
-      rope_theta=_rope_theta(config, where), norm_eps=float(config.get('rms_norm_eps', 1e-6)),
-      tie_embeddings=bool(config.get('tie_word_embeddings', False)), **OPTIONS['llama'])
+      norm_eps=float(config.get('rms_norm_eps', 1e-6)),
+      tie_embeddings=bool(config.get('tie_word_embeddings', False)),
+      **_rope_fields(config, where), **OPTIONS['llama'])
 
 
 def _gpt2_fields(config: dict, where: str) -> dict:
@@ -144,9 +164,9 @@ def model_fields(config: dict, arch: str, where: str) -> dict:
 
 def arch_of(cfg: ModelConfig) -> str:
   """The Hugging Face architecture our model options make: 'llama' or 'gpt2'."""
-  options = dict(norm=cfg.norm, mlp=cfg.mlp, positions=cfg.positions, bias=cfg.bias)
+  options = {name: getattr(cfg, name) for wanted in OPTIONS.values() for name in wanted}
   for arch, wanted in OPTIONS.items():
-    if options == wanted:
+    if all(options[name] == value for name, value in wanted.items()):
       return arch
   have = ' '.join(f'{k}={v!r}' for k, v in options.items())
   need = '; '.join(f'{arch}: ' + ' '.join(f'{k}={v!r}' for k, v in wanted.items())
@@ -155,9 +175,19 @@ def arch_of(cfg: ModelConfig) -> str:
                      f'{need}')
 
 
+def _export_rope(cfg: ModelConfig) -> dict:
+  """The RoPE keys of a Llama config.json, in the transformers 5 form and the 4.x one."""
+  if cfg.rope_scaling == 'none':
+    return dict(rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+                rope_theta=cfg.rope_theta)
+  scaling = {key: getattr(cfg, field) for key, field in LLAMA3_ROPE_KEYS.items()}
+  return dict(rope_parameters={'rope_type': 'llama3', 'rope_theta': cfg.rope_theta, **scaling},
+              rope_theta=cfg.rope_theta, rope_scaling={'rope_type': 'llama3', **scaling})
+
+
 def export_config(cfg: ModelConfig, dtype: str) -> dict:
   """The config.json transformers loads for our model (transformers 5 keys, plus the 4.x ones
-  `torch_dtype` and `rope_theta`, so older versions read it too)."""
+  `torch_dtype`, `rope_theta` and `rope_scaling`, so older versions read it too)."""
   if dtype not in DTYPES:
     raise ConvertError(f'dtype={dtype!r}; allowed: {", ".join(DTYPES)}')
   arch = arch_of(cfg)
@@ -167,9 +197,8 @@ def export_config(cfg: ModelConfig, dtype: str) -> dict:
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act='silu',
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-        rope_theta=cfg.rope_theta, attention_bias=False, mlp_bias=False, attention_dropout=0.0)
+        tie_word_embeddings=cfg.tie_embeddings, **_export_rope(cfg),
+        attention_bias=False, mlp_bias=False, attention_dropout=0.0)
   else:
     if not cfg.tie_embeddings:
       raise ConvertError('model.tie_embeddings=False with GPT-2 options; GPT-2 ties its head to '

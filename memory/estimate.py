@@ -271,16 +271,18 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   return 0
 
 
-def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                embedding_grads: bool = True) -> dict[str, float]:
   """Full-size vocabulary buffers besides the state: in the head's backward pass, and the ones
-  still held while the layers run backward."""
+  still held while the layers run backward. `embedding_grads` False: a frozen table and head
+  (LoRA) have no gradients to hold."""
   table = cfg.embedding_params * FP32 / shape.tensor
   cpu_bf16 = upcasts(policy, shape.backend)
   # The head multiplies by an fp32 table that is not the parameter: gathered, or the CPU's copy.
   table_copy = int(shape.gathers_params or cpu_bf16)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
   # reduce-scatter until the end of the backward pass.
-  full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1)
+  full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
   # With microbatches, loop-invariant copies are hoisted out of the microbatch loop and stay for
   # the whole step. Under ZeRO-3: the gathered tables, i.e. the lookup's and the head's, and on CPU
   # with bf16 compute the head's as two fp32 copies, of its cast and in the transposed layout its
@@ -338,6 +340,7 @@ class Frozen:
   base is stored in `base_bytes` (compute-dtype matrices, or quantized kernels under QLoRA)."""
   trainable: int
   base_bytes: int
+  quantized: bool = False   # QLoRA: kernels dequantized one layer at a time inside the scan
 
 
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -361,11 +364,16 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   saved = activation_bytes(cfg, policy, shape)
   microbatch_grads = grads if shape.microbatches > 1 else 0
   layer = layer_phase_bytes(cfg, policy, shape)
-  vocab = vocab_bytes(cfg, policy, shape)
+  vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   update = (update_bytes(cfg, policy, shape) if frozen is None else
             {'chain': n * (FP32 + (p if p < FP32 else 0)) / shape.shards(from_stage=1)})
   # Held in both backward phases besides gradients and saved activations.
-  common = microbatch_grads + cpu_weight_copies(cfg, policy, shape)
+  # A frozen base is stored in the compute dtype (train/state.py), which is what decides XLA:CPU's
+  # whole-stack fp32 copy.
+  # A quantized base is dequantized layer by layer inside the scan: no copy of the whole stack.
+  stored = policy if frozen is None else dataclasses.replace(policy, param_dtype=policy.compute_dtype)
+  copies = 0 if frozen is not None and frozen.quantized else cpu_weight_copies(cfg, stored, shape)
+  common = microbatch_grads + copies
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
   layer_phase = {'activations': saved + layer['activations'],
                  'temporaries': common + layer['weights'] + vocab['held']}

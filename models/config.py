@@ -6,6 +6,8 @@ REMAT_POLICIES = ('none', 'full', 'dots', 'qkv')
 NORMS = ('rms', 'layer')          # RMSNorm (Llama) or LayerNorm with a bias (GPT-2)
 MLPS = ('swiglu', 'gelu')         # down(silu(gate x) * up x) (Llama) or down(gelu_tanh(up x)) (GPT-2)
 POSITIONS = ('rope', 'learned')   # rotary (Llama) or a learned table added to the embedding (GPT-2)
+# 'llama3' stretches RoPE's long wavelengths for a longer context (Llama 3.1+; models/layers.py).
+ROPE_SCALINGS = ('none', 'llama3')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,12 @@ class ModelConfig:
   mlp: str = 'swiglu'
   positions: str = 'rope'
   bias: bool = False        # a bias on every projection (GPT-2)
+  # Llama 3 RoPE scaling; the four numbers are read only with rope_scaling='llama3'.
+  rope_scaling: str = 'none'
+  rope_factor: float = 1.0            # how much the long wavelengths are stretched
+  rope_low_freq_factor: float = 1.0   # wavelengths above original_max_len / this are stretched
+  rope_high_freq_factor: float = 4.0  # wavelengths below original_max_len / this are kept
+  rope_original_max_len: int = 8192   # the context length the model was pretrained at
 
   @classmethod
   def from_config(cls, model_config) -> 'ModelConfig':
@@ -50,9 +58,32 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)')
     for name, allowed in (('remat', REMAT_POLICIES), ('norm', NORMS), ('mlp', MLPS),
-                          ('positions', POSITIONS)):
+                          ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f'model.{name}={getattr(self, name)!r}; allowed: {", ".join(allowed)}')
+    if self.rope_scaling == 'llama3':
+      if self.positions != 'rope':
+        raise ValueError(f"model.rope_scaling='llama3' scales rotary embeddings, but "
+                         f"model.positions={self.positions!r}; use positions='rope' or "
+                         f"rope_scaling='none'")
+      self._check_llama3_rope()
+
+  def _check_llama3_rope(self):
+    for name in ('rope_factor', 'rope_low_freq_factor', 'rope_high_freq_factor'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f'model.{name}={value!r}; it must be a number')
+    if not self.rope_factor >= 1:
+      raise ValueError(f"model.rope_factor={self.rope_factor!r} with rope_scaling='llama3'; "
+                       f'it must be >= 1')
+    if not self.rope_high_freq_factor > self.rope_low_freq_factor > 0:
+      raise ValueError(f'model.rope_low_freq_factor={self.rope_low_freq_factor!r}, '
+                       f'model.rope_high_freq_factor={self.rope_high_freq_factor!r}; '
+                       f'they must satisfy high_freq_factor > low_freq_factor > 0')
+    value = self.rope_original_max_len
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"model.rope_original_max_len={value!r} with rope_scaling='llama3'; "
+                       f'it must be a positive integer')
 
   def matmul_inputs(self) -> dict[str, int]:
     """The innermost contraction dimension of every projection (where quantization blocks run)."""

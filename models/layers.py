@@ -58,9 +58,28 @@ def split_call(call: AdapterCall | None, n: int) -> list[AdapterCall | None]:
   return [call.for_layer(k) for k in jax.random.split(call.dropout_key, n)]
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of shape [batch, length, head_dim // 2] for integer positions [batch, length]."""
+def llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Llama 3's RoPE scaling: frequencies whose wavelength exceeds what pretraining saw are slowed
+  by `rope_factor` (so long contexts reuse angles the model knows), short wavelengths that encode
+  local order are kept, and the band between is blended linearly in
+  original_max_len / wavelength."""
+  factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  wavelength = 2 * jnp.pi / inv_freq
+  blend = (cfg.rope_original_max_len / wavelength - low) / (high - low)
+  blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+  return jnp.where(wavelength > cfg.rope_original_max_len / low, inv_freq / factor,
+                   jnp.where(wavelength < cfg.rope_original_max_len / high, inv_freq, blended))
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float,
+                scaling: ModelConfig | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of shape [batch, length, head_dim // 2] for integer positions [batch, length].
+
+  `scaling`: the model config, whose rope_scaling option adjusts the frequencies (None: plain
+  RoPE)."""
   inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is not None and scaling.rope_scaling == 'llama3':
+    inv_freq = llama3_inv_freq(inv_freq, scaling)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq
   return jnp.cos(angles), jnp.sin(angles)
 

@@ -70,7 +70,7 @@ class Transformer(nnx.Module):
     table = constrain(self.embedding[...], ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(dtype)
     if self.positions is None:
-      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, scaling=cfg)
     else:
       cos = sin = None
       x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)

@@ -22,6 +22,12 @@ from quant.precision import POLICIES
 VOCAB, SEQ = 96, 32
 TOLERANCE = 1e-4   # max |ours - hf| / max |hf|
 ROPE_THETA = 500.0   # not Llama's 10000, so a converter that ignores it fails
+HEAD_DIM = 16        # the Llama models': hidden_size 64 over 4 heads
+# Llama 3 scaling, shrunk so that at HEAD_DIM and ROPE_THETA all three bands hold frequencies
+# (test_llama3_rope_test_model_exercises_every_band); every number differs from its default.
+LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': ROPE_THETA, 'factor': 8.0,
+               'low_freq_factor': 0.5, 'high_freq_factor': 2.0,
+               'original_max_position_embeddings': 16}
 
 
 def _hf_model(kind: str) -> torch.nn.Module:
@@ -31,10 +37,11 @@ def _hf_model(kind: str) -> torch.nn.Module:
                         initializer_range=0.2, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
   else:
+    rope = LLAMA3_ROPE if kind == 'llama3' else {'rope_type': 'default', 'rope_theta': ROPE_THETA}
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=SEQ,
-                         rope_theta=ROPE_THETA, rms_norm_eps=1e-5, initializer_range=0.2,
+                         max_position_embeddings=SEQ, rope_parameters=rope,
+                         rms_norm_eps=1e-5, initializer_range=0.2,
                          tie_word_embeddings=kind == 'llama_tied')
     model = LlamaForCausalLM(config)
   with torch.no_grad():   # norms start at one and biases at zero: make them matter
@@ -107,7 +114,7 @@ def _edit_config(directory: str, **changes) -> None:
 
 # ---- parity -------------------------------------------------------------------------------------
 @pytest.mark.parametrize('kind, shard_bytes', [('llama', 40_000), ('llama_tied', 5 * 10**9),
-                                               ('gpt2', 5 * 10**9)])
+                                               ('llama3', 5 * 10**9), ('gpt2', 5 * 10**9)])
 def test_logits_match_transformers_after_import_and_after_export(saved, tmp_path, kind,
                                                                   shard_bytes):
   directory = saved(kind)
@@ -140,11 +147,55 @@ def test_rope_theta_changes_the_logits_so_parity_proves_it_was_read(saved):
   assert _relative_error(model(jnp.asarray(_tokens())), _hf_logits(saved('llama'))) > 1e-2
 
 
-def test_transformers_4_config_keys_give_the_same_fields(saved, tmp_path):
-  directory = _copy(saved('llama'), tmp_path)
-  _edit_config(directory, rope_parameters=..., rope_theta=ROPE_THETA, rope_scaling=None,
+def test_llama3_rope_test_model_exercises_every_band():
+  """Scaled (wavelength > original / low), kept (< original / high) and blended (between)."""
+  inv_freq = ROPE_THETA ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+  wavelength = 2 * np.pi / inv_freq
+  original = LLAMA3_ROPE['original_max_position_embeddings']
+  low_wavelength = original / LLAMA3_ROPE['low_freq_factor']
+  high_wavelength = original / LLAMA3_ROPE['high_freq_factor']
+  scaled = wavelength > low_wavelength
+  kept = wavelength < high_wavelength
+  assert scaled.any() and kept.any() and (~scaled & ~kept).any(), wavelength
+
+
+def test_llama3_rope_fields_come_from_the_config_and_change_the_logits(saved):
+  fields = HFCheckpoint(saved('llama3')).model_fields()
+  assert (fields['rope_scaling'], fields['rope_theta'], fields['rope_factor'],
+          fields['rope_low_freq_factor'], fields['rope_high_freq_factor'],
+          fields['rope_original_max_len']) == ('llama3', ROPE_THETA, 8.0, 0.5, 2.0, 16)
+  assert HFCheckpoint(saved('llama')).model_fields()['rope_scaling'] == 'none'
+  _, model, _ = _import(saved('llama3'), rope_scaling='none')
+  assert _relative_error(model(jnp.asarray(_tokens())), _hf_logits(saved('llama3'))) > 1e-2
+
+
+def test_llama3_export_writes_both_config_forms(saved, tmp_path):
+  cfg, _, params = _import(saved('llama3'))
+  export_hf(params, cfg, tmp_path / 'out')
+  with open(tmp_path / 'out' / 'config.json') as f:
+    config = json.load(f)
+  assert config['rope_parameters'] == LLAMA3_ROPE
+  assert config['rope_scaling'] == {k: v for k, v in LLAMA3_ROPE.items() if k != 'rope_theta'}
+  assert config['rope_theta'] == ROPE_THETA
+
+
+def test_gpt2_options_with_rope_scaling_are_not_a_model(saved):
+  fields = HFCheckpoint(saved('gpt2')).model_fields()
+  with pytest.raises(ValueError, match="rope_scaling='llama3' scales rotary embeddings, but "
+                                       "model.positions='learned'"):
+    ModelConfig(**{**fields, 'rope_scaling': 'llama3'})
+
+
+@pytest.mark.parametrize('kind', ['llama', 'llama3'])
+def test_transformers_4_config_keys_give_the_same_fields(saved, tmp_path, kind):
+  directory = _copy(saved(kind), tmp_path)
+  scaling = None
+  if kind == 'llama3':   # 4.x: `type` (older) or `rope_type`, the theta outside
+    scaling = {'type': 'llama3', **{k: v for k, v in LLAMA3_ROPE.items()
+                                    if k not in ('rope_type', 'rope_theta')}}
+  _edit_config(directory, rope_parameters=..., rope_theta=ROPE_THETA, rope_scaling=scaling,
                dtype=..., torch_dtype='float32')
-  assert HFCheckpoint(directory).model_fields() == HFCheckpoint(saved('llama')).model_fields()
+  assert HFCheckpoint(directory).model_fields() == HFCheckpoint(saved(kind)).model_fields()
 
 
 def test_gpt2_names_without_prefix_and_with_mask_buffers_read_the_same(saved, tmp_path):
@@ -214,8 +265,19 @@ def test_missing_safetensors_names_the_files_looked_for(saved, tmp_path):
 
 
 @pytest.mark.parametrize('kind, changes, message', [
-    ('llama', dict(rope_parameters={'rope_type': 'llama3', 'rope_theta': 5e5, 'factor': 8.0}),
-     "rope type 'llama3' is not supported; only 'default'"),
+    ('llama', dict(rope_parameters={'rope_type': 'linear', 'rope_theta': 5e5, 'factor': 8.0}),
+     "rope type 'linear' is not supported; supported: 'default', 'llama3'"),
+    ('llama', dict(rope_parameters=None, rope_scaling={'type': 'dynamic', 'factor': 2.0}),
+     "rope type 'dynamic' is not supported; supported: 'default', 'llama3'"),
+    ('llama3', dict(rope_parameters={k: v for k, v in LLAMA3_ROPE.items()
+                                     if k != 'low_freq_factor'}),
+     "rope_parameters has rope_type 'llama3' but no 'low_freq_factor'"),
+    ('llama3', dict(rope_parameters={**LLAMA3_ROPE, 'factor': 0.5}),
+     r"model\.rope_factor=0\.5 with rope_scaling='llama3'; it must be >= 1"),
+    ('llama3', dict(rope_parameters={**LLAMA3_ROPE, 'high_freq_factor': 0.25}),
+     'they must satisfy high_freq_factor > low_freq_factor > 0'),
+    ('llama3', dict(rope_parameters={**LLAMA3_ROPE, 'factor': 'eight'}),
+     r"rope_parameters\.factor='eight'; it must be a number"),
     ('llama', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     ('llama', dict(attention_bias=True), 'attention_bias=True is not supported'),
     ('gpt2', dict(scale_attn_by_inverse_layer_idx=True), 'scale_attn_by_inverse_layer_idx=True'),

@@ -136,3 +136,38 @@ def test_a_lora_run_is_not_a_base_to_start_from(tmp_path):
   run.train_and_evaluate(tiny_config(**{'train.steps': 1, 'lora.rank': 2}), str(lora_dir))
   with pytest.raises(init_from.InitError, match='is a LoRA run'):
     run.train_and_evaluate(tiny_config(**{'init_from': f'run:{lora_dir}'}), str(tmp_path / 'x'))
+
+
+def test_fine_tuning_an_imported_model_on_its_own_tokenizer(tmp_path):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  text_dir = tmp_path / 'text'
+  text_dir.mkdir()
+  for i in range(6):
+    (text_dir / f'doc{i}.txt').write_text(f'def function_{i}(value):\n    return value * {i}\n' * 40)
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator(
+      [p.read_text() for p in text_dir.iterdir()],
+      trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  checkpoint = tmp_path / 'hf'
+  torch.manual_seed(0)
+  vocab = tokenizer.get_vocab_size()
+  LlamaForCausalLM(LlamaConfig(**{**TINY_HF, 'vocab_size': vocab})).save_pretrained(checkpoint)
+  tokenizer.save(str(checkpoint / 'tokenizer.json'))
+
+  config = tiny_config(**{'init_from': f'hf:{checkpoint}', 'data.tokenizer': str(checkpoint),
+                          'data.path': str(text_dir / '*.txt'), 'data.val_fraction': 0.5,
+                          'lora.rank': 4, 'train.steps': 2, 'train.seq_len': 32})
+  run.train_and_evaluate(config, str(tmp_path / 'run'))
+  rows = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+  last = [r for r in rows if 'eval_loss' in r][-1]
+  # BPE tokens hold several bytes each: bits per byte is well below bits per token.
+  assert last['eval_bits_per_byte'] < 0.5 * last['eval_loss'] / np.log(2)
+
+
+def test_a_missing_tokenizer_is_refused_in_one_line(tmp_path):
+  from data import DataError
+  with pytest.raises(DataError, match='no tokenizer.json there'):
+    run.train_and_evaluate(tiny_config(**{'data.tokenizer': str(tmp_path)}), str(tmp_path / 'r'))
+  assert not (tmp_path / 'r').exists()

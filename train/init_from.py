@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from models import ModelConfig
 from parallel.sharding import logical_axes_tree, shardings_for
 from quant.lora import dense_paths
 from quant.weights import quantize_parts
@@ -123,10 +124,12 @@ def _run_source(workdir: str) -> Source:
 
 
 def apply_model_fields(config, source: Source) -> None:
-  """The model shape is the source's; the remat policy stays this run's choice."""
+  """The model shape is the source's: its fields, and the defaults for any it does not name (not
+  the preset's); the remat policy stays this run's choice."""
+  fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
   with config.unlocked():
-    for key, value in source.model_fields.items():
-      if key != 'remat':
+    for key, value in {**fields, **source.model_fields}.items():
+      if key not in ('remat', 'init_std'):
         config.model[key] = value
 
 

@@ -66,7 +66,7 @@ def setup(config, devices=None) -> Setup:
     raise checks.ConfigError(str(e)) from None
   checks.check_config(config, data_parallel=data_parallel_size(mesh),
                       process_count=jax.process_count(),
-                      tokenizer_vocab=data_lib.ByteTokenizer.vocab_size)
+                      tokenizer_vocab=make_tokenizer(config).vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
   block_axes = moment_block_axes(spec, mesh, rules) if config.quant.adam_bits == 8 else None
   tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
@@ -108,7 +108,8 @@ def memory_report(s: Setup, compiled) -> dict:
                     adam_block_size=s.config.quant.adam_block_size,
                     backend=s.mesh.devices.flat[0].platform)
   trainable, base = trainable_and_frozen(s)
-  frozen = Frozen(trainable, base) if 'frozen' in s.layout.abstract else None
+  frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
+            if 'frozen' in s.layout.abstract else None)
   return {
       'num_params': s.model.num_params,
       'trainable_params': trainable,
@@ -117,6 +118,10 @@ def memory_report(s: Setup, compiled) -> dict:
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
       'estimate_bytes': estimate(s.model, s.policy, shape, frozen),
+      # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
+      # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
+      'estimate_gpu_bytes': estimate(s.model, s.policy, dataclasses.replace(shape, backend='gpu'),
+                                     frozen),
       'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
   }
 
@@ -157,6 +162,9 @@ def print_summary(s: Setup, memory: dict) -> None:
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
         + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
+  if s.mesh.devices.flat[0].platform == 'cpu':
+    print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (without '
+          f'XLA:CPU\'s fp32 copies of bf16 matmul operands)')
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives per step per device: ' + ('; '.join(
       f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
@@ -196,12 +204,24 @@ def dry_run(config, workdir: str) -> dict:
   return memory
 
 
+def make_tokenizer(config):
+  """`data.tokenizer`, or DataError in one line."""
+  try:
+    return data_lib.make_tokenizer(config.data.tokenizer)
+  except ValueError as e:
+    raise data_lib.DataError(str(e)) from None
+
+
 def load_data(config):
+  """(tokenizer, train tokens, validation tokens, validation bytes per token)."""
   root, files = data_lib.list_files(config.data.path)
   train_files, val_files = data_lib.split_files(root, files, config.data.val_fraction)
-  tokenizer = data_lib.ByteTokenizer()
-  return (tokenizer, data_lib.load_tokens(train_files, tokenizer),
-          data_lib.load_tokens(val_files, tokenizer))
+  tokenizer = make_tokenizer(config)
+  val_tokens = data_lib.load_tokens(val_files, tokenizer)
+  # The byte tokenizer's token is one byte; another's average is measured on the validation text.
+  bytes_per_token = (1.0 if isinstance(tokenizer, data_lib.ByteTokenizer) else
+                     len(data_lib.load_tokens(val_files)) / max(len(val_tokens), 1))
+  return tokenizer, data_lib.load_tokens(train_files, tokenizer), val_tokens, bytes_per_token
 
 
 def _global_batch(s: Setup, local: dict) -> dict:
@@ -214,7 +234,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   source = _open_source(config)
   s = setup(config)
   train = config.train
-  tokenizer, train_tokens, val_tokens = load_data(config)
+  tokenizer, train_tokens, val_tokens, bytes_per_token = load_data(config)
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
                                   global_batch_size=train.batch_size, seed=train.seed, **process)
@@ -259,7 +279,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   def run_eval(step: int) -> dict:
     with s.context():
       result = evaluate(eval_step, state['params'], eval_batches, frozen=state.get('frozen'),
-                        bytes_per_token=1.0)  # the byte tokenizer: one token is one byte
+                        bytes_per_token=bytes_per_token)
     if _is_main():
       tqdm.write(f'eval  step {step}: loss {result["eval_loss"]:.4f} nats/token, '
                  f'{result["eval_bits_per_byte"]:.4f} bits/byte, perplexity {result["eval_perplexity"]:.2f}')
