@@ -152,6 +152,9 @@ def print_summary(s: Setup, memory: dict) -> None:
           f'on {adapters.targets!r}; trainable {memory["trainable_params"] / 1e6:.3f} M of '
           f'{s.model.num_params / 1e6:.2f} M parameters; frozen base {format_bytes(memory["frozen_bytes"])}'
           f' ({storage})')
+    if not s.config.init_from:
+      print('note        no init_from: the adapters adapt a randomly initialised base; fine-tune '
+            'a checkpoint with --config.init_from=hf:DIR or run:DIR')
   print(f'layout      zero_stage {s.config.parallel.zero_stage}; batch {s.config.train.batch_size} '
         f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
   b = format_bytes
