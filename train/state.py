@@ -53,12 +53,11 @@ class ModelSpec:
     return nnx.Any(nnx.LoRAParam, AmaxHistory) if self.adapters else nnx.Param
 
   def split(self, model: nnx.Module):
-    """(graphdef, trainable, frozen, quantized): pure dicts. `frozen` holds every other variable
-    (the quantized kernels' parts among them, listed again in `quantized`)."""
+    """(graphdef, trainable, frozen) with the weights as pure dicts: `frozen` holds every other
+    variable, float matrices cast to the compute dtype and quantized kernels as they are stored."""
     graphdef, params, quantized, rest = nnx.split(model, self.trainable, QuantizedWeight, ...)
     frozen = jax.tree.map_with_path(self._frozen_dtype, nnx.to_pure_dict(rest))
-    quantized = nnx.to_pure_dict(quantized)
-    return graphdef, nnx.to_pure_dict(params), _merge_trees(frozen, quantized), quantized
+    return graphdef, nnx.to_pure_dict(params), _merge_trees(frozen, nnx.to_pure_dict(quantized))
 
   def _frozen_dtype(self, path, leaf):
     names = [getattr(key, 'key', None) for key in path]
@@ -134,7 +133,7 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
     check_divisible(shapes, sharding, axes, what)
 
   def init():
-    _, params, frozen, _ = spec.split(spec.build())
+    _, params, frozen = spec.split(spec.build())
     state = {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
              'opt_state': tx.init(params), 'loss_scale': init_loss_scale()}
     if frozen:
