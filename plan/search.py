@@ -2,7 +2,9 @@
 estimated step time, the fastest verified by compiling its train step on simulated devices.
 
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches (plan/cost.py);
-the model, global batch and sequence length stay the config's. A recipe fits when its per-device
+the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
+frozen-base storage (a LoRA config is sized with only the adapters training; its step time is
+still the full-training model's, an over-estimate that does not change the ranking by much). A recipe fits when its per-device
 total stays under the device memory less MARGIN (kept for the CUDA context, NCCL buffers and
 allocator fragmentation, which neither the compiler's figure nor the estimate sees).
 """
@@ -12,7 +14,7 @@ import time
 
 import ml_collections
 
-from memory.estimate import StepShape, estimate
+from memory.estimate import Frozen, StepShape, estimate
 from plan.cost import MFU_ASSUMED, Recipe, step_seconds
 from plan.target import Target
 from quant.precision import get_policy
@@ -71,6 +73,8 @@ def recipes(config, target: Target) -> list[Recipe]:
         continue
       if bits == 8 and t > 1:   # 8-bit moments are flattened into blocks, which tensor parallelism
         continue                # would reshard every step (all-to-all); not offered until fixed
+      if bits == 8 and config.lora.rank:   # the adapters' moments are too small to matter
+        continue
       found.append(Recipe(precision, bits, stage, t, remat, m))
   return found
 
@@ -85,9 +89,25 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size)
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
-  return Candidate(recipe, estimate(cfg, policy, shape),
+  return Candidate(recipe, estimate(cfg, policy, shape, _frozen(config, recipe.precision)),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
                                 policy.param_bytes, policy.compute_bytes))
+
+
+_FROZEN_CACHE: dict = {}
+
+
+def _frozen(config, precision: str) -> Frozen | None:
+  """A LoRA config's adapters and frozen base under `precision` (None without LoRA)."""
+  if not config.lora.rank:
+    return None
+  key = (config.to_json(), precision)
+  if key not in _FROZEN_CACHE:
+    with_precision = ml_collections.ConfigDict(config.to_dict())
+    with_precision.precision = precision
+    spec = checks.model_spec(with_precision)
+    _FROZEN_CACHE[key] = Frozen(*spec.sizes(), quantized=spec.base_format is not None)
+  return _FROZEN_CACHE[key]
 
 
 def plan(config, target: Target, compile_total, log=print) -> tuple[Candidate, list[Candidate]]:

@@ -66,7 +66,7 @@ def test_compiled_step_arguments_shrink_to_the_frozen_base_plus_adapter_state():
   full, s_full = argument_bytes(tiny_config())
   lora, s_lora = argument_bytes(tiny_config(**LORA))
   n = s_full.model.num_params
-  trainable, frozen = run.trainable_and_frozen(s_lora)
+  trainable, frozen = s_lora.spec.sizes()
   batch = 2 * 8 * 64 * 4
   # Full fine-tuning: weights + two moments of every parameter; LoRA: the frozen base once, and
   # weights + two moments of the adapters only.

@@ -72,3 +72,20 @@ def test_main_reports_plan_errors_in_one_line(tmp_path, args, message):
   assert result.returncode != 0 and 'Traceback' not in result.stderr
   assert message in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / 'w').exists()
+
+
+def test_a_qlora_config_is_sized_with_only_its_adapters_training():
+  from configs import finetune
+  from plan.search import evaluate
+  target = parse_target('1xRTX4090-24GB')
+  full, qlora = default.get_config('7b'), finetune.finetune_config('qlora', '7b')
+  for config in (full, qlora):
+    config.train.batch_size, config.train.microbatches = 4, 4
+  recipe = next(r for r in recipes(qlora, target) if r.precision == 'bf16' and r.remat == 'full'
+                and r.microbatches == 4)
+  full_bytes = evaluate(full, recipe, target).estimate
+  qlora_bytes = evaluate(qlora, recipe, target).estimate
+  assert qlora_bytes['optimizer'] < 1e-3 * full_bytes['optimizer']
+  # 7B in NF4 is about 3.5 GB against 13.5 GB of bf16 weights
+  assert 0.2 < qlora_bytes['params'] / full_bytes['params'] < 0.3
+  assert all(r.adam_bits == 32 for r in recipes(qlora, target))   # 8-bit moments of adapters: no

@@ -107,7 +107,7 @@ def memory_report(s: Setup, compiled) -> dict:
                     adam_bits=s.config.quant.adam_bits,
                     adam_block_size=s.config.quant.adam_block_size,
                     backend=s.mesh.devices.flat[0].platform)
-  trainable, base = trainable_and_frozen(s)
+  trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)
   return {
@@ -124,13 +124,6 @@ def memory_report(s: Setup, compiled) -> dict:
                                      frozen),
       'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
   }
-
-
-def trainable_and_frozen(s: Setup) -> tuple[int, int]:
-  """Values that train, and bytes of the frozen base (0 without LoRA), for the whole model."""
-  leaves = lambda key: jax.tree.leaves(s.layout.abstract.get(key, {}))
-  return (sum(x.size for x in leaves('params')),
-          sum(x.size * x.dtype.itemsize for x in leaves('frozen')))
 
 
 def print_summary(s: Setup, memory: dict) -> None:

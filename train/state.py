@@ -59,6 +59,12 @@ class ModelSpec:
     frozen = jax.tree.map_with_path(self._frozen_dtype, nnx.to_pure_dict(rest))
     return graphdef, nnx.to_pure_dict(params), _merge_trees(frozen, nnx.to_pure_dict(quantized))
 
+  def sizes(self) -> tuple[int, int]:
+    """(values that train, bytes of the frozen base), from abstract shapes: nothing is allocated."""
+    params, frozen = jax.eval_shape(lambda: self.split(self.build())[1:])
+    return (sum(x.size for x in jax.tree.leaves(params)),
+            sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)))
+
   def _frozen_dtype(self, path, leaf):
     names = [getattr(key, 'key', None) for key in path]
     matrix = leaf.ndim - int('blocks' in names) >= 2
