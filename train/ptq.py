@@ -60,6 +60,10 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
 
 def restore_params(workdir: str, config, step: int | None = None) -> dict:
   """The trained parameters (a pure dict, on the default device) of a run without LoRA."""
+  if config.lora.rank:
+    raise CheckpointError(f'{workdir} is a LoRA run (lora.rank={config.lora.rank}): its weights are '
+                          f'a frozen base and adapters, which post-training quantization does not '
+                          f'read; export them merged with python -m train.export_hf')
   return restore_weights(workdir, config, step)[0]
 
 
