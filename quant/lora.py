@@ -72,7 +72,8 @@ class LoRA(nnx.Module):
                axes: Sequence[str], spec: LoraSpec, dtype, salt: int, rngs: nnx.Rngs):
     n_in = len(in_features)
     fan_in = math.prod(in_features)
-    # Kaiming-uniform A (as PEFT); B = 0 makes the initial update exactly zero.
+    # Uniform A with bound sqrt(3 / fan_in) (unit-variance outputs; PEFT's bound is 1/sqrt(fan_in));
+    # B = 0 makes the initial update exactly zero.
     bound = (3.0 / fan_in) ** 0.5
     a = jax.random.uniform(rngs.params(), (*in_features, spec.rank), dtype, -bound, bound)
     self.a = nnx.LoRAParam(a, out_sharding=(*axes[:n_in], None), eager_sharding=False)

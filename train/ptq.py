@@ -51,7 +51,10 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
   step = checkpoints.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f'{workdir}/checkpoints holds no checkpoint; train first')
-  s = run.setup(config, devices=jax.devices()[:1])
+  # One device, whatever mesh the run trained on: a checkpoint restores onto any layout.
+  one_device = ml_collections.ConfigDict(config.to_dict())
+  one_device.mesh = {'data': 1, 'fsdp': 1, 'tensor': 1}
+  s = run.setup(one_device, devices=jax.devices()[:1])
   checkpoints.check_shapes(step, s.layout.abstract)
   state = checkpoints.restore_state(step, s.layout.abstract)
   checkpoints.close()
