@@ -20,6 +20,10 @@ from data.corpus import DataError
 from data.windows import count_windows, gather_windows
 
 
+# Windows in the repeated stream: far more than any run reads, and a length grain can still batch.
+_ENDLESS_WINDOWS = 2**62
+
+
 def _check_sharding(batch_size: int, process_index: int, process_count: int, name: str) -> int:
   """Returns the rows per process after checking the batch splits evenly across processes."""
   if batch_size < 1:
@@ -65,8 +69,9 @@ class TokenBatches:
     window_order = grain.MapDataset.range(self._num_windows)
     if self._shuffle:
       window_order = window_order.shuffle(seed=_shuffle_seed(self._seed))
-    # repeat() reseeds the shuffle per epoch and makes the index space endless.
-    window_order = window_order.repeat()
+    # repeat() reseeds the shuffle per epoch. A finite (if unreachable) epoch count: grain's
+    # endless repeat has length sys.maxsize, and batching that by one row overflows its length.
+    window_order = window_order.repeat(num_epochs=max(_ENDLESS_WINDOWS // self._num_windows, 1))
     self._batches = _process_batches(window_order, self._tokens, seq_len, global_batch_size,
                                      process_index, process_count)
     self._step = 0

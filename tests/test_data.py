@@ -267,3 +267,13 @@ def test_eval_batches_shrink_to_the_corpus_and_reject_less_than_one_batch():
   assert len(eval_batches(tokens, seq_len=10, batch_size=4, num_batches=50)) == 2
   with pytest.raises(DataError, match="batch_size=16"):
     eval_batches(tokens, seq_len=10, batch_size=16, num_batches=1)
+
+
+def test_a_batch_of_one_sequence_streams_every_window_per_epoch():
+  # A batch of one is the natural setting for a large model on one device (grain's endless repeat
+  # once overflowed there).
+  seq_len, num_windows = 5, 7
+  tokens = np.arange(num_windows * seq_len + 1)
+  batches = TokenBatches(tokens, seq_len=seq_len, global_batch_size=1, seed=0)
+  first_epoch = sum((_window_ids(b, seq_len) for b in _take(batches, num_windows)), [])
+  assert sorted(first_epoch) == list(range(num_windows))
