@@ -145,6 +145,7 @@ def main(argv):
   from train import checks, run
   from train.checkpoint import CheckpointError
   from train.init_from import InitError
+  from train.workdir_lock import WorkdirBusy
 
   import jax
   config = _CONFIG.value
@@ -166,7 +167,8 @@ def main(argv):
       run.dry_run(config, workdir)
     else:
       run.train_and_evaluate(config, workdir)
-  except (checks.ConfigError, DataError, CheckpointError, InitError) as e:
+  except (checks.ConfigError, DataError, CheckpointError, InitError, WorkdirBusy,
+          run.NonFiniteError) as e:
     sys.exit(f'error: {e}')
   print(f'outputs     {os.path.abspath(workdir)}')
 

@@ -36,7 +36,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       eval_every=0,                       # set below, from steps
       eval_batches=8,
       checkpoint_every=0,                 # set below, from steps
+      checkpoint_minutes=0.0,             # > 0: also save when this many minutes passed since the last
       keep_checkpoints=3,
+      max_bad_steps=5,                    # stop after this many non-finite steps in a row (each skipped)
       seed=0,
   )
   # References, so that --config.train.steps=N moves them too (unless they are set themselves):

@@ -7,6 +7,8 @@ skipped and the scale halved; after `period` clean steps the scale doubles again
 import jax
 import jax.numpy as jnp
 
+MIN_LOSS_SCALE = 1.0
+
 
 def init_loss_scale(initial: float = 2.0**15) -> dict:
   return {'scale': jnp.asarray(initial, jnp.float32), 'good_steps': jnp.asarray(0, jnp.int32)}
@@ -18,7 +20,7 @@ def all_finite(tree) -> jax.Array:
 
 
 def update_loss_scale(state: dict, grads_finite: jax.Array, *, period: int = 2000,
-                      factor: float = 2.0, minimum: float = 1.0) -> dict:
+                      factor: float = 2.0, minimum: float = MIN_LOSS_SCALE) -> dict:
   """Halve on overflow, double after `period` consecutive finite steps."""
   good = jnp.where(grads_finite, state['good_steps'] + 1, 0)
   grow = good >= period
@@ -26,8 +28,3 @@ def update_loss_scale(state: dict, grads_finite: jax.Array, *, period: int = 200
                     jnp.where(grow, state['scale'] * factor, state['scale']),
                     jnp.maximum(state['scale'] / factor, minimum))
   return {'scale': scale, 'good_steps': jnp.where(grow, 0, good)}
-
-
-def select_tree(pred: jax.Array, on_true, on_false):
-  """Pick a whole pytree by a scalar predicate (keeps the old state when a step is skipped)."""
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

@@ -67,7 +67,7 @@ def restored_params(checkpoint_dir, mesh: dict, devices):
   config.mesh = mesh
   s = run.setup(config, devices)
   checkpoints = Checkpointer(str(checkpoint_dir), keep=3)
-  state = checkpoints.restore_state(STEPS, s.layout.abstract)
+  state, _ = checkpoints.restore(STEPS, s.layout.abstract)
   checkpoints.close()
   return s, jax.tree.map(np.asarray, state['params'])
 

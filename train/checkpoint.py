@@ -1,59 +1,149 @@
-"""Orbax checkpoints of the train state and the data iterator's position.
+"""Orbax checkpoints of the train state, the data iterator's position, and what the state means.
 
-Saves are asynchronous (training goes on while the arrays are written). Restore reads into an
-abstract target built under the *current* mesh, so a checkpoint restores onto any layout. Before a
-restore the stored shapes are compared with the model's, so a workdir from a different model
-gives one clear error instead of an orbax traceback.
+A checkpoint holds three items: `state` (the arrays), `data` (the iterator's position, JSON) and
+`meta` (JSON: the config fields that fix what the arrays mean, such as the model's shape, the
+adapters and the frozen base's format, and how 8-bit moments are blocked). Saves are asynchronous
+(training goes on while the arrays are written). Restore reads into an abstract target built under
+the *current* mesh, so a checkpoint restores onto any layout.
+
+Before anything is compiled or written, the newest checkpoint's `meta` and stored shapes are
+compared with the config's, so a workdir of a different model gives one clear error instead of an
+orbax traceback or a silently reinterpreted state. A checkpoint that then fails to restore
+(truncated or garbage files, files missing) is reported in one line and the next older one is
+tried; the broken ones are moved aside, never deleted.
 """
+import contextlib
+import dataclasses
+import gc
+import logging
 import os
+import shutil
+import sys
+import time
 
 import jax
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 
 class CheckpointError(ValueError):
   pass
 
 
+@dataclasses.dataclass
+class Restored:
+  step: int
+  state: object
+  data: dict
+  broken: list[tuple[int, str]]   # newer checkpoints that did not restore: (step, why)
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int):
     self.directory = os.path.abspath(directory)
-    self._manager = ocp.CheckpointManager(
+    self._keep = keep
+    self._manager = self._open()
+
+  def _open(self):
+    with _quiet():   # orbax logs each step whose _CHECKPOINT_METADATA is unreadable; restore reports it
+      return self._new_manager()
+
+  def _new_manager(self):
+    return ocp.CheckpointManager(
         self.directory,
-        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
+                       'meta': ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,
                                              enable_async_checkpointing=True))
+
+  def steps(self) -> list[int]:
+    """Every committed checkpoint's step, newest first."""
+    return sorted(self._manager.all_steps(), reverse=True)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state, data_state: dict) -> None:
+  def save(self, step: int, state, data_state: dict, meta: dict) -> None:
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        meta=ocp.args.JsonSave(meta)))
 
-  def check_shapes(self, step: int, abstract_state) -> None:
-    """Raise CheckpointError naming the first tensor whose stored shape differs from the model's."""
-    stored = self._manager.item_metadata(step)['state']
-    stored_params = _shapes(stored['params'])
-    wanted_params = _shapes(abstract_state['params'])
-    for name in sorted(set(stored_params) | set(wanted_params)):
-      have, want = stored_params.get(name), wanted_params.get(name)
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def read_meta(self, step: int) -> dict | None:
+    """The checkpoint's `meta` item; None for a checkpoint written before it existed."""
+    if not os.path.isdir(os.path.join(self.path(step), 'meta')):
+      return None
+    with _quiet():
+      return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
+  def check_compatible(self, step: int, abstract_state, meta: dict) -> None:
+    """Raise CheckpointError naming the first field or tensor in which checkpoint `step` differs
+    from this config; any other failure to read it propagates (the caller decides what is broken)."""
+    stored_meta = self.read_meta(step)
+    hint = (f'resume with the config that wrote it ({os.path.dirname(self.directory)}/config.json) '
+            f'or use a fresh --workdir')
+    if stored_meta is not None:
+      stored, wanted = _flat(stored_meta.get('identity', {})), _flat(meta['identity'])
+      for key in sorted(set(stored) | set(wanted)):
+        if stored.get(key) != wanted.get(key):
+          raise CheckpointError(f'{self.path(step)} was written with {key}={stored.get(key)!r}, '
+                                f'this config has {key}={wanted.get(key)!r}; {hint}')
+    with _quiet():   # reads every array's metadata: a broken checkpoint fails here first
+      stored_shapes = _shapes(self._manager.item_metadata(step)['state'])
+    wanted_shapes = _shapes(abstract_state)
+    for name in sorted(set(stored_shapes) | set(wanted_shapes)):
+      have, want = stored_shapes.get(name), wanted_shapes.get(name)
       if have != want:
-        raise CheckpointError(
-            f'{os.path.join(self.directory, str(step))} holds a different model: params/{name} has '
-            f'shape {have} there but {want} in this config; use a fresh --workdir or the config '
-            f'that wrote it ({os.path.dirname(self.directory)}/config.json)')
+        raise CheckpointError(f'{self.path(step)} holds a different train state: {name} has shape '
+                              f'{have} there but {want} in this config; {hint}')
 
-  def restore_data(self, step: int) -> dict:
-    """The data iterator's state alone: small, read before anything is compiled."""
-    return self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
-
-  def restore_state(self, step: int, abstract_state):
-    """The train state, placed as `abstract_state`'s shardings say (any mesh)."""
+  def restore(self, step: int, abstract_state) -> tuple[object, dict]:
+    """(train state placed as `abstract_state`'s shardings say (any mesh), data iterator state)."""
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
-    return restored['state']
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+    return restored['state'], restored['data']
+
+  def restore_newest(self, abstract_state, accept_data=lambda data: None) -> Restored:
+    """The newest checkpoint that restores. `accept_data(data)` may raise to refuse a stream
+    (that is an error of the config, not a broken checkpoint, so it is not skipped)."""
+    broken = []
+    for step in self.steps():
+      try:
+        with _quiet():
+          state, data = self.restore(step, abstract_state)
+      except Exception as e:   # orbax and tensorstore raise many kinds; every one means "broken"
+        broken.append((step, _one_line(e)))
+        if jax.process_index() == 0 and step != self.steps()[-1]:
+          print(f'checkpoint  {self.path(step)} does not restore ({broken[-1][1]}); '
+                f'trying an older one')
+        continue
+      accept_data(data)
+      return Restored(step, state, data, broken)
+    raise CheckpointError(
+        f'no checkpoint in {self.directory} restores (' +
+        '; '.join(f'step {s}: {why}' for s, why in broken) +
+        '); nothing was changed: restore the files, or use a fresh --workdir')
+
+  def set_aside(self, steps: list[int]) -> str:
+    """Move broken checkpoints out of the way of new saves (to checkpoints-broken/); returns where."""
+    aside = os.path.join(os.path.dirname(self.directory), 'checkpoints-broken')
+    if jax.process_index() == 0:
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        target = os.path.join(aside, str(step))
+        suffix = 1
+        while os.path.exists(target):
+          target, suffix = os.path.join(aside, f'{step}.{suffix}'), suffix + 1
+        shutil.move(self.path(step), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices('checkpoints set aside')
+    self._manager.close()
+    self._manager = self._open()
+    return aside
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -62,6 +152,47 @@ class Checkpointer:
     self._manager.close()
 
 
+@contextlib.contextmanager
+def _quiet():
+  """A broken checkpoint is reported in one line. While one is tried, orbax's error logs and the
+  reports that its failed reads print from other threads (straight to file descriptor 2) are held
+  back; after a failure they are given a moment to drain."""
+  loggers = [logging.getLogger(name) for name in ('absl', 'asyncio')]
+  levels = [logger.level for logger in loggers]
+  for logger in loggers:
+    logger.setLevel(logging.CRITICAL)
+  sys.stderr.flush()
+  saved_stderr = os.dup(2)
+  with open(os.devnull, 'w') as devnull:
+    os.dup2(devnull.fileno(), 2)
+  try:
+    yield
+  except Exception:
+    time.sleep(_DRAIN_SECONDS)
+    gc.collect()
+    raise
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved_stderr, 2)
+    os.close(saved_stderr)
+    for logger, level in zip(loggers, levels):
+      logger.setLevel(level)
+
+
+_DRAIN_SECONDS = 1.0
+
+
+def _one_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  first = text[0] if text else ''
+  return f'{type(error).__name__}: {first[:200]}'
+
+
+def _flat(tree: dict) -> dict:
+  return traverse_util.flatten_dict(tree, sep='.') if tree else {}
+
+
 def _shapes(tree) -> dict[str, tuple]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {'/'.join(str(getattr(k, 'key', k)) for k in path): tuple(leaf.shape) for path, leaf in flat}
+  return {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path):
+          tuple(leaf.shape) for path, leaf in flat}

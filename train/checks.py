@@ -84,7 +84,7 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   """Shape checks that need to know how many ways the batch is split."""
   model, train = model_config(config), config.train
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
-              'eval_batches', 'checkpoint_every', 'keep_checkpoints'):
+              'eval_batches', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
     value = train[key]
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f'train.{key}={value!r}; it must be a positive integer')
@@ -96,6 +96,8 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
       'b1': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
       'b2': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
       'grad_clip': (lambda v: v > 0, 'a positive number'),
+      'checkpoint_minutes': (lambda v: isinstance(v, (int, float)) and v >= 0,
+                             'a number of minutes >= 0 (0: off)'),
   }
   for key, (ok, allowed) in ranges.items():
     if not ok(train[key]):

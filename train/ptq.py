@@ -55,8 +55,8 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
   one_device = ml_collections.ConfigDict(config.to_dict())
   one_device.mesh = {'data': 1, 'fsdp': 1, 'tensor': 1}
   s = run.setup(one_device, devices=jax.devices()[:1])
-  checkpoints.check_shapes(step, s.layout.abstract)
-  state = checkpoints.restore_state(step, s.layout.abstract)
+  checkpoints.check_compatible(step, s.layout.abstract, run.checkpoint_meta(s))
+  state, _ = checkpoints.restore(step, s.layout.abstract)
   checkpoints.close()
   return state['params'], state.get('frozen', {})
 

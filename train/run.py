@@ -22,14 +22,17 @@ from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
 from quant.precision import Policy
 from quant.recipe import describe as describe_recipe
+from quant.loss_scale import all_finite
 from train import checks, init_from
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, CheckpointError
 from train.evaluate import evaluate, make_eval_step
 from train.metrics import MetricsWriter
 from train.optimizer import learning_rate_schedule, make_optimizer
+from train.preemption import StopRequests
 from train.sample import generate
 from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout
 from train.step import make_train_step
+from train.workdir_lock import workdir_lock
 
 
 @dataclasses.dataclass
@@ -43,6 +46,7 @@ class Setup:
   layout: StateLayout
   train_step: object        # jitted, with shardings and donation
   batch_sharding: jax.sharding.NamedSharding
+  block_axes: dict | None   # 8-bit Adam: parameter path -> the dimension its moments are blocked from
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
@@ -56,8 +60,10 @@ def _is_main() -> bool:
   return jax.process_index() == 0
 
 
-def setup(config, devices=None) -> Setup:
-  """Validate and lay out everything; allocates nothing. `devices`: default all of them."""
+def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
+  """Validate and lay out everything; allocates nothing. `devices`: default all of them.
+  `stored_block_axes`: how a checkpoint's 8-bit moments are blocked (they keep that blocking on
+  any mesh: re-blocking would change their values)."""
   spec = checks.model_spec(config)
   model, policy = spec.config, spec.policy
   try:
@@ -68,7 +74,8 @@ def setup(config, devices=None) -> Setup:
                       process_count=jax.process_count(),
                       tokenizer_vocab=make_tokenizer(config).vocab_size)
   rules = layout_rules(config.parallel.zero_stage)
-  block_axes = moment_block_axes(spec, mesh, rules) if config.quant.adam_bits == 8 else None
+  block_axes = (_block_axes(moment_block_axes(spec, mesh, rules), stored_block_axes)
+                if config.quant.adam_bits == 8 else None)
   tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
                       amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes)
   try:
@@ -88,7 +95,41 @@ def setup(config, devices=None) -> Setup:
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
-  return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding)
+  return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
+               None if block_axes is None else _flat_paths(block_axes))
+
+
+def _flat_paths(tree) -> dict:
+  return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _block_axes(ideal, stored: dict | None):
+  """This mesh's ideal blocking (the sharded dimension, train/state.py), or the checkpoint's where
+  it has one for every parameter (an older or another model's checkpoint is refused later)."""
+  paths = _flat_paths(ideal)
+  if stored is None or set(stored) != set(paths):
+    return ideal
+  if _is_main() and any(stored[p] != a for p, a in paths.items()):
+    print('note        8-bit Adam moments keep the blocking they were saved with; on this mesh '
+          'their update reshards them each step')
+  leaves, treedef = jax.tree_util.tree_flatten(ideal)
+  return jax.tree_util.tree_unflatten(treedef, [stored[p] for p in paths])
+
+
+def checkpoint_meta(s: Setup) -> dict:
+  """What a checkpoint records about its state (train/checkpoint.py): the config fields that fix
+  the arrays' meaning, and the 8-bit moments' blocking."""
+  model = {k: v for k, v in s.config.model.to_dict().items() if k not in COMPUTE_ONLY_MODEL_FIELDS}
+  meta = {'identity': {'model': model, 'lora': s.config.lora.to_dict(),
+                       'quant': {'weights': s.config.quant.weights}}}
+  if s.block_axes is not None:
+    meta['adam_block_axes'] = s.block_axes
+  return meta
+
+
+# Model fields that change how the step computes, not what the parameters are: free on resume.
+COMPUTE_ONLY_MODEL_FIELDS = ('remat',)
 
 
 def compile_train_step(s: Setup):
@@ -186,17 +227,18 @@ def _open_source(config):
 
 def dry_run(config, workdir: str) -> dict:
   source = _open_source(config)
-  s = setup(config)
+  checkpoints = _open_checkpoints(config, workdir)
+  s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
   if source is not None:
     init_from.check_source(s, source)
   data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
-  checkpoints, _ = _existing_checkpoints(s, workdir)   # nor may it overwrite another model's memory.json
-  if checkpoints:
-    checkpoints.close()
-  memory = memory_report(s, compile_train_step(s))
-  print_summary(s, memory)
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, 'memory.json'), memory)
+  with workdir_lock(workdir, enabled=_is_main()):
+    if checkpoints:   # nor may it overwrite another model's memory.json
+      _check_checkpoints(s, checkpoints)
+      checkpoints.close()
+    memory = memory_report(s, compile_train_step(s))
+    print_summary(s, memory)
+    _write_json(os.path.join(workdir, 'memory.json'), memory)
   return memory
 
 
@@ -225,12 +267,24 @@ def _global_batch(s: Setup, local: dict) -> dict:
   return {k: jax.make_array_from_process_local_data(s.batch_sharding, v) for k, v in local.items()}
 
 
+class NonFiniteError(RuntimeError):
+  """The loss or gradients stayed non-finite for train.max_bad_steps steps in a row."""
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """Train (or resume) in `workdir`; returns the last evaluation."""
   source = _open_source(config)
-  s = setup(config)
-  train = config.train
+  checkpoints = _open_checkpoints(config, workdir)
+  s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
   tokenizer, train_tokens, val_tokens, bytes_per_token = load_data(config)
+  with workdir_lock(workdir, enabled=_is_main()):
+    return _train(s, source, checkpoints, workdir, tokenizer, train_tokens, val_tokens,
+                  bytes_per_token)
+
+
+def _train(s: Setup, source, checkpoints, workdir, tokenizer, train_tokens, val_tokens,
+           bytes_per_token) -> dict:
+  train = s.config.train
   process = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
                                   global_batch_size=train.batch_size, seed=train.seed, **process)
@@ -238,27 +292,33 @@ def train_and_evaluate(config, workdir: str) -> dict:
       val_tokens, seq_len=train.seq_len, batch_size=train.batch_size,
       num_batches=train.eval_batches, **process)]
 
-  checkpoints, start = _existing_checkpoints(s, workdir)
-  if start is not None:   # refuse a checkpoint of another model or data stream before any write
-    batches.set_state(checkpoints.restore_data(start))
+  resuming = checkpoints is not None and bool(checkpoints.steps())
+  if resuming:   # refuse a checkpoint of another model before any compile or write
+    _check_checkpoints(s, checkpoints)
   elif source is not None:   # and a source whose tensors disagree with the model
     init_from.check_source(s, source)
 
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)
+  # The newest checkpoint that restores, before anything is written (a stream of other data is
+  # refused, not skipped); none restoring is an error that leaves every file as it was.
+  restored = checkpoints.restore_newest(s.layout.abstract, batches.set_state) if resuming else None
   print_summary(s, memory)
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, 'config.json'), config.to_dict())
+  _write_json(os.path.join(workdir, 'config.json'), s.config.to_dict())
   _write_json(os.path.join(workdir, 'memory.json'), memory)
 
-  if start is None:
+  if restored is None:
     checkpoints = checkpoints or Checkpointer(os.path.join(workdir, 'checkpoints'),
                                               keep=train.keep_checkpoints)
     state, start = (s.layout.init() if source is None else init_from.initial_state(s, source)), 0
     if source is not None and _is_main():
       print(f'init        base weights from {source.description}')
   else:
-    state = checkpoints.restore_state(start, s.layout.abstract)
+    state, start = restored.state, restored.step
+    if restored.broken:
+      aside = checkpoints.set_aside([step for step, _ in restored.broken])
+      if _is_main():
+        print(f'checkpoint  moved the {len(restored.broken)} that did not restore to {aside}')
     if _is_main():
       print(f'resumed     from step {start} in {checkpoints.directory}')
 
@@ -268,9 +328,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
                                       s.layout.shardings.get('frozen', {}),
                                       {'inputs': s.batch_sharding, 'targets': s.batch_sharding}),
                         out_shardings=replicated(s.mesh))
+    params_finite = jax.jit(all_finite)
   metrics = MetricsWriter(workdir, enabled=_is_main())
   learning_rate = learning_rate_schedule(train)
   last_eval: dict = {}
+  meta = checkpoint_meta(s)
 
   def run_eval(step: int) -> dict:
     with s.context():
@@ -281,44 +343,77 @@ def train_and_evaluate(config, workdir: str) -> dict:
                  f'{result["eval_bits_per_byte"]:.4f} bits/byte, perplexity {result["eval_perplexity"]:.2f}')
     return result
 
+  def save(step: int) -> None:
+    # Never a non-finite state (the step skips bad updates, so this is only a last guard).
+    if not bool(params_finite(state['params'])):
+      raise NonFiniteError(f'step {step}: the parameters hold an inf or nan, so they were not saved')
+    checkpoints.save(step, state, batches.get_state(), meta)
+    stops.saved()
+
   if start == 0:   # the untrained model's score, the baseline every later evaluation beats
     last_eval = run_eval(0)
     metrics.write(0, last_eval)
   bar = tqdm(total=train.steps, initial=start, disable=not _is_main(), unit='step',
              dynamic_ncols=True)
+  watch = NonFiniteWatch(train.max_bad_steps)
+  stops = StopRequests(train.checkpoint_minutes, train.log_every)
   # tokens/s counts step time only: evaluation and checkpoint saves are timed and left out.
   interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
-  for step in range(start + 1, train.steps + 1):
-    batch = _global_batch(s, next(batches))
-    state, step_metrics = compiled(state, batch)
-    interval_steps += 1
-    last = step == train.steps
-    evaluating = step % train.eval_every == 0 or last
-    if evaluating or step % train.log_every == 0:
-      values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
-      elapsed = time.perf_counter() - interval_start - paused
-      row = {k: float(v) for k, v in values.items()}
-      row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
-      row['learning_rate'] = float(learning_rate(step - 1))
-      bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
-      interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
-      if evaluating:
-        last_eval = run_eval(step)
-        row.update(last_eval)
-      if last and peak_device_memory() is not None:
-        row['peak_device_bytes'] = peak_device_memory()
-      metrics.write(step, row)
-    bar.update(1)
-    if step % train.checkpoint_every == 0 or last:
-      save_start = time.perf_counter()
-      checkpoints.save(step, state, batches.get_state())
-      paused += time.perf_counter() - save_start
-    if evaluating:   # the evaluation (and any save) just done stays out of the next interval
-      interval_start, paused = time.perf_counter(), 0.0
-  bar.close()
-  checkpoints.wait()
-  checkpoints.close()
-  metrics.close()
+  in_flight = None
+  try:
+    with stops:
+      for step in range(start + 1, train.steps + 1):
+        batch = _global_batch(s, next(batches))
+        state, step_metrics = compiled(state, batch)
+        # The previous step's verdict is read while this one runs: the check costs no stall.
+        if in_flight is not None:
+          watch.check(*in_flight)
+        in_flight = (step, step_metrics)
+        interval_steps += 1
+        last = step == train.steps
+        evaluating = step % train.eval_every == 0 or last
+        if evaluating or step % train.log_every == 0:
+          values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
+          watch.check(step, values)
+          elapsed = time.perf_counter() - interval_start - paused
+          row = {k: float(v) for k, v in values.items()}
+          row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
+          row['learning_rate'] = float(learning_rate(step - 1))
+          row['skipped_steps'] = watch.skipped
+          bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
+          interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+          if evaluating:
+            last_eval = run_eval(step)
+            row.update(last_eval)
+          if last and peak_device_memory() is not None:
+            row['peak_device_bytes'] = peak_device_memory()
+          metrics.write(step, row)
+        bar.update(1)
+        stopping = stops.stop_now(step)
+        if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
+          save_start = time.perf_counter()
+          watch.check(*in_flight)
+          save(step)
+          paused += time.perf_counter() - save_start
+        if stopping:
+          checkpoints.wait()
+          if _is_main():
+            tqdm.write(f'preempted   {stops.signal_name} at step {step}: saved a checkpoint at '
+                       f'step {step} in {checkpoints.directory}; the same command resumes from it')
+          return last_eval
+        if evaluating:   # the evaluation (and any save) just done stays out of the next interval
+          interval_start, paused = time.perf_counter(), 0.0
+      watch.check(*in_flight)
+  except NonFiniteError as e:
+    checkpoints.wait()
+    newest = checkpoints.latest_step()
+    raise NonFiniteError(f'{e}; ' + ('no checkpoint was written' if newest is None else
+                         f'the newest checkpoint, step {newest}, is where a rerun resumes')) from None
+  finally:
+    bar.close()
+    checkpoints.wait()
+    checkpoints.close()
+    metrics.close()
   peak = peak_device_memory()
   if peak is not None and _is_main():   # GPUs report it; beside the compiled and estimated figures
     _write_json(os.path.join(workdir, 'memory.json'), {**memory, 'peak_device_bytes': peak})
@@ -326,17 +421,68 @@ def train_and_evaluate(config, workdir: str) -> dict:
   return last_eval
 
 
-def _existing_checkpoints(s: Setup, workdir: str) -> tuple[Checkpointer | None, int | None]:
-  """The workdir's checkpoints and latest step, after checking they hold this model's shapes.
-  Creates nothing when the workdir has no checkpoints yet."""
+class NonFiniteWatch:
+  """Counts the steps whose update was skipped for a non-finite loss or gradient; raises
+  NonFiniteError after `max_bad_steps` in a row. Each step is judged once, whenever its metrics
+  are first read."""
+
+  def __init__(self, max_bad_steps: int):
+    self.max_bad_steps = max_bad_steps
+    self.skipped = 0
+    self._in_a_row = 0
+    self._judged = 0
+
+  def check(self, step: int, metrics: dict) -> None:
+    if step <= self._judged:
+      return
+    self._judged = step
+    if not bool(metrics['nonfinite']):
+      self._in_a_row = 0
+      return
+    self.skipped += 1
+    self._in_a_row += 1
+    if _is_main():
+      tqdm.write(f'skipped     step {step}: loss {float(metrics["loss"]):.4g}, gradient norm '
+                 f'{float(metrics["grad_norm"]):.4g}; the update was not applied '
+                 f'({self._in_a_row} in a row, train.max_bad_steps={self.max_bad_steps})')
+    if self._in_a_row >= self.max_bad_steps:
+      raise NonFiniteError(
+          f'step {step}: the loss or gradients were not finite for {self._in_a_row} steps in a row '
+          f'(train.max_bad_steps={self.max_bad_steps}); every such update was skipped, so the '
+          f'state is still that of step {step - self._in_a_row}. Lower train.learning_rate, raise '
+          f'train.warmup_steps or check the data')
+
+
+def _open_checkpoints(config, workdir: str) -> Checkpointer | None:
+  """The workdir's checkpoints, or None when it has none (nothing is created)."""
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isdir(directory):
-    return None, None
-  checkpoints = Checkpointer(directory, keep=s.config.train.keep_checkpoints)
-  start = checkpoints.latest_step()
-  if start is not None:
-    checkpoints.check_shapes(start, s.layout.abstract)
-  return checkpoints, start
+    return None
+  return Checkpointer(directory, keep=config.train.keep_checkpoints)
+
+
+def _stored_block_axes(checkpoints: Checkpointer | None) -> dict | None:
+  """The 8-bit moments' blocking recorded in the newest checkpoint whose description reads."""
+  for step in checkpoints.steps() if checkpoints else ():
+    try:
+      meta = checkpoints.read_meta(step)
+    except Exception:   # a broken checkpoint: restore reports it and falls back past it
+      continue
+    return (meta or {}).get('adam_block_axes')
+  return None
+
+
+def _check_checkpoints(s: Setup, checkpoints: Checkpointer) -> None:
+  """CheckpointError if the newest checkpoint that can be described holds another model, or
+  another adapter / frozen-base / optimizer state, than this config builds."""
+  for step in checkpoints.steps():
+    try:
+      checkpoints.check_compatible(step, s.layout.abstract, checkpoint_meta(s))
+      return
+    except CheckpointError:
+      raise
+    except Exception:   # unreadable: restore_newest reports it and tries the next
+      continue
 
 
 def _print_sample(s: Setup, state, tokenizer) -> None:

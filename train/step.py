@@ -1,8 +1,8 @@
 """One optimizer step: loss, gradients accumulated over microbatches, loss scaling, update.
 
 Reads top to bottom: split the batch into microbatches, accumulate gradients in the master
-weights' dtype, (fp16) unscale and check for overflow, apply AdamW, (fp16) skip the update if the
-gradients overflowed. Gradients are taken of the trainable parameters only; a frozen base (LoRA)
+weights' dtype, (fp16) unscale, apply AdamW unless the loss or a gradient is not finite (an fp16
+overflow, or a run that diverged: the update is skipped on the device), (fp16) adjust the scale. Gradients are taken of the trainable parameters only; a frozen base (LoRA)
 is an input of the loss and passes through the step unchanged.
 """
 import math
@@ -14,7 +14,7 @@ from flax import linen, nnx
 from jax.sharding import PartitionSpec
 
 from models.sharding import constrain
-from quant.loss_scale import all_finite, select_tree, update_loss_scale
+from quant.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from quant.precision import Policy
 
 
@@ -105,16 +105,28 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     grads = jax.tree.map(lambda g: (g / (microbatches * ways * scale)).astype(g.dtype), grad_sum)
     loss = loss_sum / (microbatches * ways)
 
-    updates, opt_state = tx.update(grads, state['opt_state'], params)
-    new_state = {**state, 'step': state['step'] + 1,
-                 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    # An inf or nan anywhere in the gradients makes their norm non-finite: one scalar decides
+    # whether the update happens. A skipped step leaves parameters and optimizer state as they
+    # were (so no non-finite value ever enters the state); the step counter moves on with the data.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
+    def update(state):
+      updates, opt_state = tx.update(grads, state['opt_state'], params)
+      return {**state, 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
+
+    new_state = jax.lax.cond(finite, update, lambda state: state, state)
+    new_state = {**new_state, 'step': state['step'] + 1}
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'skipped': jnp.logical_not(finite)}
+    bad = jnp.logical_not(finite)
     if policy.loss_scaling:
-      finite = all_finite(grads)
-      new_state = select_tree(finite, new_state, {**state, 'step': state['step'] + 1})
       new_state['loss_scale'] = update_loss_scale(state['loss_scale'], finite)
-      metrics.update(loss_scale=state['loss_scale']['scale'], skipped=jnp.logical_not(finite))
+      metrics['loss_scale'] = state['loss_scale']['scale']
+      # Scaled gradients that overflow are loss scaling at work (the scale halves and the step is
+      # retried on the next batch), not a bad step, unless the scale has nothing left to give.
+      bad = jnp.logical_not(jnp.isfinite(loss)) | (
+          bad & (state['loss_scale']['scale'] <= MIN_LOSS_SCALE))
+    metrics['nonfinite'] = bad   # counted by the loop against train.max_bad_steps
     return new_state, metrics
 
   return train_step
