@@ -1,6 +1,7 @@
 """Two processes on 127.0.0.1 (4 simulated CPU devices each) train as one 8-device ZeRO-3 job."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -112,3 +113,28 @@ def test_bad_multi_host_flags_are_refused_in_one_line(tmp_path, flags, message):
       capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and 'Traceback' not in result.stderr
   assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_path):
+  from tests.test_faults import wait_for_step
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'two'
+  port = free_port()
+  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
+  procs = [subprocess.Popen(args + [
+      '--config.train.steps=100000', '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}',
+      '--num_processes=2', f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT,
+      env={**os.environ, 'XLA_FLAGS': ''}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True) for i in range(2)]
+  wait_for_step(workdir, procs[0], 5)
+  procs[1].send_signal(signal.SIGTERM)   # the preempted host need not be the one that reports
+  outputs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+  line = next(l for l in outputs[0][0].splitlines() if l.startswith('preempted'))
+  step = int(line.split(' at step ')[1].split(':')[0])
+  assert os.listdir(workdir / 'checkpoints') == [str(step)]
+  s = run.setup(layout_config('fsdp', 'tiny'))
+  checkpoints = Checkpointer(str(workdir / 'checkpoints'), keep=3)
+  state, data = checkpoints.restore(step, s.layout.abstract)
+  checkpoints.close()
+  assert int(state['step']) == step and data['step'] == step

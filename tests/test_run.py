@@ -53,17 +53,34 @@ def test_resume_reproduces_the_next_losses_of_an_uninterrupted_run(tmp_path):
   assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
 
 
-def test_a_checkpoint_of_a_different_model_is_refused_and_left_untouched(tmp_path):
+def modification_times(workdir) -> dict:
+  """Every file's mtime but the lock's (which a refused run holds while it checks)."""
+  return {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*')) if not p.endswith('.lock')}
+
+
+LORA = {'lora.rank': 4, 'train.learning_rate': 1e-3}
+
+
+@pytest.mark.parametrize('first, then, message', [
+    ({}, {'model.d_model': 96}, r'was written with model.d_model=64, this config has model.d_model=96'),
+    ({}, {'model.rope_theta': 500000.0}, r'model.rope_theta=10000.0, this config has model.rope_theta=500000.0'),
+    (LORA, {**LORA, 'lora.rank': 8}, r'lora.rank=4, this config has lora.rank=8'),
+    (LORA, {**LORA, 'lora.alpha': 32.0}, r'lora.alpha=16.0, this config has lora.alpha=32.0'),
+    (LORA, {**LORA, 'quant.weights': 'nf4'}, r"quant.weights='none', this config has quant.weights='nf4'"),
+    ({}, {'quant.adam_bits': 8}, r'holds a different train state: opt_state/.* has shape'),
+])
+def test_a_checkpoint_of_a_different_model_or_state_is_refused_and_left_untouched(
+    tmp_path, first, then, message):
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'w'
-  run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus}), str(workdir))
-  before = {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))}
+  run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus, **first}), str(workdir))
+  before = modification_times(workdir)
   config_before = (workdir / 'config.json').read_text()
 
-  wider = tiny_config(**{'train.steps': 4, 'data.path': corpus, 'model.d_model': 96})
-  with pytest.raises(CheckpointError, match=r'params/.* has shape .* but .* in this config'):
-    run.train_and_evaluate(wider, str(workdir))
-  assert {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))} == before
+  changed = tiny_config(**{'train.steps': 4, 'data.path': corpus, **then})
+  with pytest.raises(CheckpointError, match=message):
+    run.train_and_evaluate(changed, str(workdir))
+  assert modification_times(workdir) == before
   assert (workdir / 'config.json').read_text() == config_before
 
 
@@ -71,11 +88,11 @@ def test_resuming_with_a_different_data_stream_is_refused_before_any_write(tmp_p
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'w'
   run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus}), str(workdir))
-  before = {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))}
+  before = modification_times(workdir)
   other_seed = tiny_config(**{'train.steps': 4, 'data.path': corpus, 'train.seed': 1})
   with pytest.raises(DataError, match='data iterator state has seed=0 but this run has seed=1'):
     run.train_and_evaluate(other_seed, str(workdir))
-  assert {p: os.path.getmtime(p) for p in map(str, workdir.rglob('*'))} == before
+  assert modification_times(workdir) == before
 
 
 @pytest.mark.parametrize('overrides, message', [

@@ -86,12 +86,39 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
   before = jax.tree.map(np.asarray, state)
   after, metrics = step(state, batch_of(8))
   assert bool(metrics['skipped'])
+  assert not bool(metrics['nonfinite'])   # loss scaling at work, not a diverged run
   for a, b in zip(jax.tree.leaves(before['params']), jax.tree.leaves(after['params'])):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(jax.tree.leaves(before['opt_state']), jax.tree.leaves(after['opt_state'])):
     np.testing.assert_array_equal(a, b)
   assert float(after['loss_scale']['scale']) == 2.0**39
   assert int(after['loss_scale']['good_steps']) == 0
+
+
+def test_fp16_overflow_at_the_smallest_scale_is_a_bad_step():
+  layout, step = make(tiny_config(precision='fp16'))
+  state = layout.init()
+  state['loss_scale'] = {'scale': jnp.asarray(1.0, jnp.float32), 'good_steps': jnp.asarray(0, jnp.int32)}
+  state['params']['embedding'] = state['params']['embedding'].at[0, 0].set(jnp.inf)
+  _, metrics = step(state, batch_of(8))
+  assert bool(metrics['skipped']) and bool(metrics['nonfinite'])
+
+
+@pytest.mark.parametrize('precision', ['fp32', 'bf16_mixed'])
+def test_a_non_finite_gradient_leaves_every_piece_of_state_unchanged(precision):
+  layout, step = make(tiny_config(precision=precision))
+  state, _ = step(layout.init(), batch_of(8, seed=1))   # Adam's moments no longer zero
+  batch = batch_of(8)
+  # One inf weight in the last layer's MLP: the loss may stay finite, its gradient does not.
+  down = state['params']['blocks']['mlp']['down']['kernel']
+  state['params']['blocks']['mlp']['down']['kernel'] = down.at[-1, 0, 0].set(jnp.inf)
+  before = jax.tree.map(np.asarray, state)
+  after, metrics = step(state, batch)
+  assert bool(metrics['skipped']) and bool(metrics['nonfinite'])
+  assert int(after['step']) == int(before['step']) + 1   # the data position moves on
+  for part in ('params', 'opt_state', 'loss_scale'):
+    for a, b in zip(jax.tree.leaves(before[part]), jax.tree.leaves(after[part])):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_fp16_finite_step_updates_and_counts_towards_growth():

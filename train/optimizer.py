@@ -41,6 +41,10 @@ def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
   are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam.
   `block_axes`: 8-bit moments only, the dimension each is blocked from (train/state.py)."""
   schedule = learning_rate_schedule(train_cfg)
+  if amax_histories and block_axes is not None:
+    # Adam sees the histories as masked (optax.multi_transform below): so must their block axes.
+    block_axes = jax.tree_util.tree_map_with_path(
+        lambda path, axis: optax.MaskedNode() if is_history(path) else axis, block_axes)
   if adam_bits == 8:
     adam = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                       weight_decay=train_cfg.weight_decay, mask=weight_decay_mask,

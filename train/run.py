@@ -111,8 +111,8 @@ def _block_axes(ideal, stored: dict | None):
   if stored is None or set(stored) != set(paths):
     return ideal
   if _is_main() and any(stored[p] != a for p, a in paths.items()):
-    print('note        8-bit Adam moments keep the blocking they were saved with; on this mesh '
-          'their update reshards them each step')
+    print('note        8-bit Adam moments keep the blocking of the mesh that saved them (re-blocking '
+          'would change their values); where this mesh shards them otherwise, the update reshards')
   leaves, treedef = jax.tree_util.tree_flatten(ideal)
   return jax.tree_util.tree_unflatten(treedef, [stored[p] for p in paths])
 
@@ -374,7 +374,7 @@ def _train(s: Setup, source, checkpoints, workdir, tokenizer, train_tokens, val_
         evaluating = step % train.eval_every == 0 or last
         if evaluating or step % train.log_every == 0:
           values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
-          watch.check(step, values)
+          watch.count(step, values)
           elapsed = time.perf_counter() - interval_start - paused
           row = {k: float(v) for k, v in values.items()}
           row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
@@ -388,6 +388,7 @@ def _train(s: Setup, source, checkpoints, workdir, tokenizer, train_tokens, val_
           if last and peak_device_memory() is not None:
             row['peak_device_bytes'] = peak_device_memory()
           metrics.write(step, row)
+          watch.stop_if_too_many()
         bar.update(1)
         stopping = stops.stop_now(step)
         if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
@@ -433,6 +434,10 @@ class NonFiniteWatch:
     self._judged = 0
 
   def check(self, step: int, metrics: dict) -> None:
+    self.count(step, metrics)
+    self.stop_if_too_many()
+
+  def count(self, step: int, metrics: dict) -> None:
     if step <= self._judged:
       return
     self._judged = step
@@ -445,7 +450,10 @@ class NonFiniteWatch:
       tqdm.write(f'skipped     step {step}: loss {float(metrics["loss"]):.4g}, gradient norm '
                  f'{float(metrics["grad_norm"]):.4g}; the update was not applied '
                  f'({self._in_a_row} in a row, train.max_bad_steps={self.max_bad_steps})')
+
+  def stop_if_too_many(self) -> None:
     if self._in_a_row >= self.max_bad_steps:
+      step = self._judged
       raise NonFiniteError(
           f'step {step}: the loss or gradients were not finite for {self._in_a_row} steps in a row '
           f'(train.max_bad_steps={self.max_bad_steps}); every such update was skipped, so the '

@@ -1,0 +1,278 @@
+"""Faults a run survives: kill -9, SIGTERM / SIGINT, non-finite steps, broken checkpoints, a second
+writer, and a resume on another mesh. Kills and signals hit real `main.py` processes."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs.layouts import layout_config
+from quant.adam8bit import is_quantized_moment
+from quant.blockwise import dequantize_blockwise
+from tests.helpers import tiny_config
+from tests.test_run import ROOT, losses_by_step, read_metrics, small_corpus
+from train import run
+from train.checkpoint import Checkpointer, CheckpointError
+from train.workdir_lock import WorkdirBusy, workdir_lock
+
+
+def main_args(workdir, corpus, *overrides):
+  return [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
+          f'--workdir={workdir}', f'--config.data.path={corpus}', '--config.train.log_every=1',
+          '--config.sample.length=8', *overrides]
+
+
+def start(args) -> subprocess.Popen:
+  return subprocess.Popen(args, cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_step(workdir, proc, step: int, timeout: float = 300) -> int:
+  """Block until metrics.jsonl logs a training step >= `step`; returns the newest logged step."""
+  deadline = time.monotonic() + timeout
+  path = os.path.join(workdir, 'metrics.jsonl')
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    if os.path.exists(path):
+      with open(path) as f:
+        steps = [row['step'] for row in map(json.loads, f.read().splitlines()[:-1] or []) if 'loss' in row]
+      if steps and steps[-1] >= step:
+        return steps[-1]
+    time.sleep(0.05)
+  raise TimeoutError(f'{workdir} did not reach step {step}')
+
+
+def every_logged_loss(workdir) -> dict[int, set]:
+  """Each step's losses over every attempt that logged it (a resumed run logs some steps twice)."""
+  seen: dict[int, set] = {}
+  for row in read_metrics(workdir):
+    if 'loss' in row:
+      seen.setdefault(row['step'], set()).add(row['loss'])
+  return seen
+
+
+def test_kill_9_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path):
+  corpus = small_corpus(tmp_path)
+  # A checkpoint every 4 steps, so that most kills land during or right after a write.
+  overrides = ['--config.train.steps=160', '--config.train.checkpoint_every=4']
+  straight = tmp_path / 'straight'
+  assert subprocess.run(main_args(straight, corpus, *overrides), cwd=ROOT, capture_output=True,
+                        env={**os.environ, 'XLA_FLAGS': ''}, timeout=600).returncode == 0
+  killed = tmp_path / 'killed'
+  rng = random.Random(0)
+  for attempt in range(3):
+    proc = start(main_args(killed, corpus, *overrides))
+    done = losses_by_step(killed) if (killed / 'metrics.jsonl').exists() else {}
+    wait_for_step(killed, proc, 1 + max(done or [0]))
+    if attempt == 0:   # the first kill lands inside a checkpoint write (orbax's temporary folder)
+      while proc.poll() is None and not any('tmp' in name for name in os.listdir(killed / 'checkpoints')):
+        time.sleep(0.001)
+    else:
+      time.sleep(rng.uniform(0, 0.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+  result = subprocess.run(main_args(killed, corpus, *overrides), cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, 'XLA_FLAGS': ''}, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  reference = losses_by_step(straight)
+  # Every attempt's every logged step (CPU runs of one program are deterministic: exactly equal).
+  assert every_logged_loss(killed) == {step: {loss} for step, loss in reference.items()}
+
+
+def test_sigterm_and_sigint_save_at_the_step_reached_and_the_run_resumes_exactly(tmp_path):
+  corpus = small_corpus(tmp_path)
+  overrides = ['--config.train.steps=100000']   # never reached: every run here ends by a signal
+
+  def interrupt(workdir, at_step, signum):
+    proc = start(main_args(workdir, corpus, *overrides))
+    wait_for_step(workdir, proc, at_step)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith('preempted'))
+    step = int(line.split(' at step ')[1].split(':')[0])
+    assert f'preempted   {signal.Signals(signum).name} at step {step}:' in line
+    assert (workdir / 'checkpoints' / str(step)).is_dir()
+    return step
+
+  straight = tmp_path / 'straight'
+  end = interrupt(straight, 60, signal.SIGINT)
+  stopped = tmp_path / 'stopped'
+  first = interrupt(stopped, 15, signal.SIGTERM)
+  assert first < end
+  interrupt(stopped, end, signal.SIGTERM)   # resumes at `first`, then runs past `end`
+  reference = losses_by_step(straight)
+  logged = every_logged_loss(stopped)
+  assert min(logged) == 1 and all(logged[s] == {reference[s]} for s in range(1, end + 1))
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_leaving_finite_checkpoints(tmp_path):
+  config = tiny_config(**{'train.steps': 200, 'train.checkpoint_every': 4, 'train.log_every': 1,
+                          'train.learning_rate': 1e3, 'train.grad_clip': 1e9,
+                          'train.max_bad_steps': 3, 'data.path': small_corpus(tmp_path)})
+  workdir = tmp_path / 'w'
+  with pytest.raises(run.NonFiniteError, match=r'step (\d+): the loss or gradients were not finite '
+                     r'for 3 steps in a row \(train.max_bad_steps=3\)') as error:
+    run.train_and_evaluate(config, str(workdir))
+  stopped_at = int(str(error.value).split()[1].rstrip(':'))
+  rows = {row['step']: row for row in read_metrics(workdir) if 'loss' in row}
+  assert max(rows) == stopped_at
+  assert all(rows[s]['nonfinite'] and rows[s]['skipped'] for s in range(stopped_at - 2, stopped_at + 1))
+  assert not rows[stopped_at - 3]['nonfinite'] and rows[stopped_at]['skipped_steps'] >= 3
+  checkpoints = Checkpointer(str(workdir / 'checkpoints'), keep=3)
+  assert checkpoints.steps() and max(checkpoints.steps()) <= stopped_at
+  assert f'the newest checkpoint, step {max(checkpoints.steps())}, is where a rerun resumes' in str(error.value)
+  s = run.setup(config)
+  for step in checkpoints.steps():
+    state, _ = checkpoints.restore(step, s.layout.abstract)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+  checkpoints.close()
+
+
+def _six_step_run(tmp_path):
+  config = tiny_config(**{'train.steps': 6, 'train.checkpoint_every': 2, 'train.log_every': 1,
+                          'data.path': small_corpus(tmp_path)})
+  straight = tmp_path / 'straight'
+  run.train_and_evaluate(config, str(straight))
+  return config, straight
+
+
+def _files(folder) -> dict:
+  return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob('*')
+          if p.is_file() and p.name != '.lock'}
+
+
+CORRUPTIONS = {
+    'garbage metadata': lambda d: (d / 'state' / '_METADATA').write_text('{not json'),
+    'truncated arrays': lambda d: [p.write_bytes(p.read_bytes()[:10])
+                                   for p in (d / 'state').rglob('*') if p.is_file()],
+    'missing array files': lambda d: [shutil.rmtree(p) for p in (d / 'state').glob('ocdbt.process_*')],
+    'garbage everywhere': lambda d: [p.write_bytes(os.urandom(300)) for p in d.rglob('*') if p.is_file()],
+}
+
+
+@pytest.mark.parametrize('corruption', sorted(CORRUPTIONS))
+def test_a_broken_newest_checkpoint_is_reported_and_the_run_resumes_from_the_one_before(
+    tmp_path, corruption, capsys):
+  config, straight = _six_step_run(tmp_path)
+  workdir = tmp_path / 'w'
+  shutil.copytree(straight, workdir)
+  CORRUPTIONS[corruption](workdir / 'checkpoints' / '6')
+  broken = _files(workdir / 'checkpoints' / '6')
+  os.remove(workdir / 'metrics.jsonl')
+  run.train_and_evaluate(config, str(workdir))
+  out = capsys.readouterr().out
+  assert f'checkpoint  {workdir}/checkpoints/6 does not restore (' in out
+  assert 'resumed     from step 4' in out
+  assert losses_by_step(workdir) == {s: l for s, l in losses_by_step(straight).items() if s > 4}
+  # Nothing deleted: the broken checkpoint was moved aside as it was.
+  assert _files(workdir / 'checkpoints-broken' / '6') == broken
+
+
+def test_when_no_checkpoint_restores_the_run_stops_and_changes_nothing(tmp_path):
+  config, straight = _six_step_run(tmp_path)
+  for step in (2, 4, 6):
+    CORRUPTIONS['garbage metadata'](straight / 'checkpoints' / str(step))
+  before = _files(straight)
+  with pytest.raises(CheckpointError, match=r'no checkpoint in .* restores \(step 6: .*step 4: .*'
+                     r'step 2: .*\); nothing was changed'):
+    run.train_and_evaluate(config, str(straight))
+  assert _files(straight) == before
+
+
+def test_a_second_run_on_a_live_runs_workdir_is_refused_in_one_line(tmp_path):
+  workdir = tmp_path / 'w'
+  with workdir_lock(str(workdir)):   # stands for the live run
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
+         '--dry_run', f'--workdir={workdir}'], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, 'XLA_FLAGS': ''}, timeout=300)
+    assert result.returncode == 1 and 'Traceback' not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f'error: --workdir={workdir} is in use by a live run (pid {os.getpid()} on ')
+    assert os.listdir(workdir) == ['.lock']
+    with pytest.raises(WorkdirBusy):
+      run.dry_run(tiny_config(), str(workdir))
+  assert not workdir.exists()   # the lock's own folder goes with it when nothing else was written
+
+
+def test_checkpoint_minutes_saves_by_the_clock(tmp_path):
+  config = tiny_config(**{'train.steps': 12, 'train.checkpoint_every': 1000,
+                          'train.checkpoint_minutes': 1e-9, 'train.keep_checkpoints': 100,
+                          'data.path': small_corpus(tmp_path)})
+  run.train_and_evaluate(config, str(tmp_path / 'w'))
+  assert sorted(map(int, os.listdir(tmp_path / 'w' / 'checkpoints'))) == list(range(1, 13))
+
+
+# Every piece of training state, 8-bit moments and fp8 amax histories included.
+STATE_OVERRIDES = {'quant.adam_bits': 8, 'quant.adam_block_size': 256, 'quant.mode': 'fp8',
+                   'quant.fp8_scaling': 'delayed'}
+LAYOUTS = {'fsdp': ('fsdp', None), 'ddp': ('ddp', None), 'fsdp_tp': ('fsdp_tp', None),
+           'one device': ('ddp', 1)}
+
+
+def _layout(name: str, corpus: str):
+  config = layout_config(name, 'tiny')
+  for key, value in {**STATE_OVERRIDES, 'data.path': corpus, 'train.steps': 3,
+                     'train.checkpoint_every': 3}.items():
+    section, field = key.split('.')
+    config[section][field] = value
+  return config
+
+
+def _moment_values(s, state) -> dict:
+  """Every Adam moment as the optimizer reads it (8-bit ones dequantized with `s`'s blocking), by
+  path: equal values here mean the moments mean the same on this mesh."""
+  shapes = {path: leaf.shape for path, leaf in run._flat_paths(state['params']).items()}
+  values = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state['opt_state'],
+                                                         is_leaf=is_quantized_moment)[0]:
+    key = jax.tree_util.keystr(path, simple=True, separator='/')
+    if not is_quantized_moment(leaf):
+      values[key] = np.asarray(leaf)
+      continue
+    param = next(p for p in shapes if key.endswith('/' + p))
+    axis, shape = s.block_axes[param], shapes[param]
+    moved = (shape[axis],) + shape[:axis] + shape[axis + 1:]
+    signed = '/mu/' in f'/{key}/'
+    values[key] = np.moveaxis(np.asarray(dequantize_blockwise(leaf, moved, signed)), 0, axis)
+  return values
+
+
+def test_every_piece_of_state_restores_onto_every_layout_with_the_same_values(tmp_path):
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'w'
+  saved = run.train_and_evaluate(_layout('fsdp', corpus), str(workdir))
+  assert saved
+  checkpoints = Checkpointer(str(workdir / 'checkpoints'), keep=3)
+  meta = checkpoints.read_meta(3)
+  restored = {}
+  for name, (layout, devices) in LAYOUTS.items():
+    config = _layout(layout, corpus)
+    s = run.setup(config, jax.devices()[:devices] if devices else None,
+                  stored_block_axes=meta['adam_block_axes'])
+    checkpoints.check_compatible(3, s.layout.abstract, run.checkpoint_meta(s))
+    state, data = checkpoints.restore(3, s.layout.abstract)
+    assert s.block_axes == meta['adam_block_axes']
+    restored[name] = (s, jax.tree.map(np.asarray, state), data)
+  checkpoints.close()
+  s_same, same, data_same = restored['fsdp']
+  assert len({tuple(r[0].mesh.shape.items()) for r in restored.values()}) == len(LAYOUTS)
+  assert any(axis != 0 for axis in s_same.block_axes.values())   # fsdp blocks along a sharded dim
+  histories = [k for k in run._flat_paths(same['params']) if k.endswith('amax_history')]
+  assert histories and same['loss_scale'] and int(same['step']) == 3
+  for name, (s, state, data) in restored.items():
+    assert data == data_same, name
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(same)):
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    moments, moments_same = _moment_values(s, state), _moment_values(s_same, same)
+    assert moments.keys() == moments_same.keys()
+    for key in moments:
+      np.testing.assert_array_equal(moments[key], moments_same[key], err_msg=f'{name}: {key}')
