@@ -61,6 +61,19 @@ def modification_times(workdir) -> dict:
 LORA = {'lora.rank': 4, 'train.learning_rate': 1e-3}
 
 
+@pytest.fixture(scope='module')
+def two_step_runs(tmp_path_factory):
+  """Finished 2-step runs, plain and LoRA, made once; tests resume copies of them."""
+  tmp = tmp_path_factory.mktemp('two_step')
+  corpus = small_corpus(tmp)
+  runs = {}
+  for name, first in (('plain', {}), ('lora', LORA)):
+    runs[name] = tmp / name
+    run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus, **first}),
+                           str(runs[name]))
+  return corpus, runs
+
+
 @pytest.mark.parametrize('first, then, message', [
     ({}, {'model.d_model': 96}, r'was written with model.d_model=64, this config has model.d_model=96'),
     ({}, {'model.rope_theta': 500000.0}, r'model.rope_theta=10000.0, this config has model.rope_theta=500000.0'),
@@ -70,10 +83,10 @@ LORA = {'lora.rank': 4, 'train.learning_rate': 1e-3}
     ({}, {'quant.adam_bits': 8}, r'holds a different train state: opt_state/.* has shape'),
 ])
 def test_a_checkpoint_of_a_different_model_or_state_is_refused_and_left_untouched(
-    tmp_path, first, then, message):
-  corpus = small_corpus(tmp_path)
+    tmp_path, first, then, message, two_step_runs):
+  corpus, runs = two_step_runs
   workdir = tmp_path / 'w'
-  run.train_and_evaluate(tiny_config(**{'train.steps': 2, 'data.path': corpus, **first}), str(workdir))
+  shutil.copytree(runs['lora' if first else 'plain'], workdir)
   before = modification_times(workdir)
   config_before = (workdir / 'config.json').read_text()
 
