@@ -20,9 +20,9 @@ from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
+from quant.loss_scale import all_finite
 from quant.precision import Policy
 from quant.recipe import describe as describe_recipe
-from quant.loss_scale import all_finite
 from train import checks, init_from
 from train.checkpoint import Checkpointer, CheckpointError
 from train.evaluate import evaluate, make_eval_step
@@ -113,7 +113,7 @@ def _block_axes(ideal, stored: dict | None):
   if _is_main() and any(stored[p] != a for p, a in paths.items()):
     print('note        8-bit Adam moments keep the blocking of the mesh that saved them (re-blocking '
           'would change their values); where this mesh shards them otherwise, the update reshards')
-  leaves, treedef = jax.tree_util.tree_flatten(ideal)
+  treedef = jax.tree_util.tree_structure(ideal)
   return jax.tree_util.tree_unflatten(treedef, [stored[p] for p in paths])
 
 
