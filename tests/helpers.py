@@ -37,3 +37,10 @@ def split_params(model):
 
 def tree_allclose(a, b, **tol) -> bool:
   return all(np.allclose(x, y, **tol) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def reordered_rtol(n: int) -> float:
+  """Relative tolerance between two fp32 sums (or means) of the same n terms of one sign, added in
+  different orders (another layout, another split into microbatches): each is within
+  gamma_n ~ n 2**-24 of the exact sum (n roundings of at most half an ulp), so twice that apart."""
+  return 2 * n * 2.0 ** -24
