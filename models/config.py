@@ -1,7 +1,12 @@
 """The model's shape: parameter count and training FLOPs per token, known before any array exists."""
 import dataclasses
 
+from models.attention import ATTENTIONS
+
 REMAT_POLICIES = ('none', 'full', 'dots', 'qkv')
+# Fields that say how the step computes, not what the parameters are: a resume or a fine-tune may
+# change them freely, and a checkpoint or an imported model does not set them.
+COMPUTE_FIELDS = ('remat', 'attention', 'loss_chunk')
 # Architecture options, so that one decoder covers Llama and GPT-2 (Hugging Face import/export):
 NORMS = ('rms', 'layer')          # RMSNorm (Llama) or LayerNorm with a bias (GPT-2)
 MLPS = ('swiglu', 'gelu')         # down(silu(gate x) * up x) (Llama) or down(gelu_tanh(up x)) (GPT-2)
@@ -24,6 +29,8 @@ class ModelConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = True
   remat: str = 'none'
+  attention: str = 'auto'   # xla, flash, cudnn, or auto (models/attention.py)
+  loss_chunk: int = 0       # > 0: the head and the loss run this many positions at a time (models/loss.py)
   init_std: float = 0.02
   norm: str = 'rms'
   mlp: str = 'swiglu'
@@ -57,8 +64,11 @@ class ModelConfig:
                        f'model.num_kv_heads={self.num_kv_heads} (grouped-query attention)')
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)')
-    for name, allowed in (('remat', REMAT_POLICIES), ('norm', NORMS), ('mlp', MLPS),
-                          ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):
+    if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+      raise ValueError(f'model.loss_chunk={self.loss_chunk!r}; it must be 0 (the whole sequence at once) '
+                       f'or a positive number of positions')
+    for name, allowed in (('remat', REMAT_POLICIES), ('attention', ATTENTIONS), ('norm', NORMS),
+                          ('mlp', MLPS), ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f'model.{name}={getattr(self, name)!r}; allowed: {", ".join(allowed)}')
     if self.rope_scaling == 'llama3':

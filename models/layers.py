@@ -1,5 +1,5 @@
-"""The blocks of the decoder: RMSNorm or LayerNorm, rotary embeddings, grouped-query attention,
-SwiGLU or GELU MLP (Llama by default; GPT-2 through the model options in models/config.py).
+"""The blocks of the decoder: RMSNorm or LayerNorm, rotary embeddings, grouped-query attention
+(its implementations: models/attention.py), SwiGLU or GELU MLP (Llama by default; GPT-2 through the model options in models/config.py).
 
 Every block passes an `AdapterCall` (quant/lora.py) down to its dense layers: LoRA dropout keys and
 the reference-rows mask; None when the model has no adapters or runs without dropout."""
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from models.attention import attend, cached_attention
 from models.config import ModelConfig
 from models.sharding import constrain
 from quant.dense import Dense, logical_param
@@ -93,25 +94,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """softmax(q k^T / sqrt(d)) v with a causal mask; q [b, t, heads, d], k and v [b, t, kv_heads, d].
-
-  Query heads are grouped over the KV heads (query head h reads KV head h // group). The matmuls run
-  in the compute dtype; the softmax runs in fp32. Written out (not jax.nn.dot_product_attention)
-  because XLA:CPU has no fp16 x fp16 -> fp32 dot, which that function asks for under fp16.
-  """
-  b, t, heads, d = q.shape
-  kv_heads = k.shape[2]
-  # Scale q before the product, not the scores after it: fp16 scores would overflow first.
-  q = (q * (1.0 / d**0.5)).astype(q.dtype).reshape(b, t, kv_heads, heads // kv_heads, d)
-  scores = jnp.einsum('btkgd,bskd->bkgts', q, k).astype(jnp.float32)
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs, v)
-  return out.reshape(b, t, heads, d)
-
-
 class Attention(nnx.Module):
   """Causal self-attention; num_kv_heads < num_heads shares each K/V head among a group of query heads."""
 
@@ -130,15 +112,35 @@ class Attention(nnx.Module):
                adapters: AdapterCall | None = None) -> jax.Array:
     """`cos`/`sin` None: no rotary embeddings (learned positions were added to the input)."""
     on_q, on_k, on_v, on_out = split_call(adapters, 4)
+    q, k, v = self._project(x, cos, sin, on_q, on_k, on_v)
+    q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
+    attended = attend(q, k, v, self.cfg.attention)
+    attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
+    return self.out(attended, on_out)
+
+  def with_cache(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
+                 cache: tuple[jax.Array, jax.Array], start: jax.Array):
+    """Generation: x [b, t, d_model], row r at positions start[r] + 0..t-1, written into the
+    cache's keys and values [b, S, kv_heads, head_dim] and attending to them. t > 1 is a prompt
+    from position 0 (it attends to itself, with the model's attention); t == 1 a next token.
+    Returns (output, cache)."""
+    q, k, v = self._project(x, cos, sin, None, None, None)
+    write = jax.vmap(lambda cached, new, at: jax.lax.dynamic_update_slice(
+        cached, new.astype(cached.dtype), (at, 0, 0)))
+    cache = tuple(write(cached, new, start) for cached, new in zip(cache, (k, v)))
+    if x.shape[1] > 1:
+      attended = attend(q, k, v, self.cfg.attention)
+    else:
+      attended = cached_attention(q, *cache, start)
+    return self.out(attended), cache
+
+  def _project(self, x, cos, sin, on_q, on_k, on_v):
     q = constrain(self.query(x, on_q), ('batch', 'length', 'heads', 'head_dim'))
     k = constrain(self.key(x, on_k), ('batch', 'length', 'kv_heads', 'head_dim'))
     v = constrain(self.value(x, on_v), ('batch', 'length', 'kv_heads', 'head_dim'))
     if cos is not None:
       q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
-    attended = causal_attention(q, k, v)
-    attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
-    return self.out(attended, on_out)
+    return q, k, v
 
 
 class MLP(nnx.Module):
@@ -176,6 +178,15 @@ class Block(nnx.Module):
                adapters: AdapterCall | None = None) -> jax.Array:
     on_attention, on_mlp = split_call(adapters, 2)
     x = x + self.attention(self.attention_norm(x), cos, sin, on_attention)
+    return self._mlp_residual(x, on_mlp)
+
+  def with_cache(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
+                 cache: tuple[jax.Array, jax.Array], start: jax.Array):
+    """Generation (Attention.with_cache): returns (output, cache)."""
+    attended, cache = self.attention.with_cache(self.attention_norm(x), cos, sin, cache, start)
+    return self._mlp_residual(x + attended, None), cache
+
+  def _mlp_residual(self, x, adapters):
     x = constrain(x, ('batch', 'length', 'embed'))
-    x = x + self.mlp(self.mlp_norm(x), on_mlp)
+    x = x + self.mlp(self.mlp_norm(x), adapters)
     return constrain(x, ('batch', 'length', 'embed'))

@@ -10,6 +10,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import Block, make_norm, rope_tables
+from models.loss import token_losses
 from models.sharding import constrain
 from quant import lora
 from quant.dense import Dense, logical_param
@@ -57,7 +58,23 @@ class Transformer(nnx.Module):
     `dropout_key`: LoRA dropout on (training); None runs without dropout.
     `reference`: also return the logits with every adapter off, from the same pass:
     (logits, reference_logits)."""
-    cfg, dtype = self.cfg, self.policy.compute_dtype
+    rows = tokens.shape[0]
+    x, head = self.hidden(tokens, positions, dropout_key=dropout_key, reference=reference)
+    logits = head(x)
+    return (logits[:rows], logits[rows:]) if reference else logits
+
+  def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
+                   dropout_key: jax.Array | None = None) -> jax.Array:
+    """Next-token cross-entropy [batch, length] in nats; the head runs `model.loss_chunk`
+    positions at a time (models/loss.py)."""
+    x, head = self.hidden(tokens, dropout_key=dropout_key)
+    return token_losses(head, x, targets, self.cfg.loss_chunk)
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+             dropout_key: jax.Array | None = None, reference: bool = False):
+    """The final norm's output [batch, length, d_model] (the batch twice with `reference`), and
+    the head: a function of such hidden states (any number of positions) to fp32 logits."""
+    cfg = self.cfg
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     rows = tokens.shape[0]
@@ -65,16 +82,7 @@ class Transformer(nnx.Module):
     if reference:   # the batch twice: adapters on for the first copy, off for the second
       tokens, positions = (jnp.concatenate([t, t]) for t in (tokens, positions))
       active_rows = jnp.arange(2 * rows) < rows
-    # Vocabulary-parallel lookup: the table keeps its vocab split (over `tensor`) and is gathered
-    # over any other axis first; left to itself XLA may copy the whole table to every device.
-    table = constrain(self.embedding[...], ('vocab', None))
-    x = jnp.take(table, tokens, axis=0).astype(dtype)
-    if self.positions is None:
-      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, scaling=cfg)
-    else:
-      cos = sin = None
-      x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
-    x = constrain(x, ('batch', 'length', 'embed'))
+    x, cos, sin = self._embed(tokens, positions)
 
     call = (lora.AdapterCall(None, active_rows)
             if dropout_key is not None or active_rows is not None else None)
@@ -91,11 +99,56 @@ class Transformer(nnx.Module):
                           transform_metadata={nnx.PARTITION_NAME: 'layers'})
     x = self.final_norm(run_blocks(x, self.blocks, layer_keys))
 
-    if cfg.tie_embeddings:
-      logits = jnp.einsum('bld,vd->blv', x, self.embedding[...].astype(dtype))
+    head_call = None if call is None else call.for_layer(
+        None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))
+    return x, self._head(head_call)
+
+  def _embed(self, tokens: jax.Array, positions: jax.Array):
+    """The input of the first block [batch, length, d_model], and the rotary tables (None with
+    learned positions, which are added here)."""
+    cfg, dtype = self.cfg, self.policy.compute_dtype
+    # Vocabulary-parallel lookup: the table keeps its vocab split (over `tensor`) and is gathered
+    # over any other axis first; left to itself XLA may copy the whole table to every device.
+    table = constrain(self.embedding[...], ('vocab', None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
+    if self.positions is None:
+      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, scaling=cfg)
     else:
-      head_call = None if call is None else call.for_layer(
-          None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))
-      logits = self.head(x, head_call)
-    logits = constrain(logits.astype(jnp.float32), ('batch', 'length', 'vocab'))
-    return (logits[:rows], logits[rows:]) if reference else logits
+      cos = sin = None
+      x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
+    return constrain(x, ('batch', 'length', 'embed')), cos, sin
+
+  # ---- generation with a key/value cache ------------------------------------------------------
+  def new_cache(self, rows: int, length: int) -> tuple[jax.Array, jax.Array]:
+    """Empty keys and values for `rows` sequences of up to `length` positions, laid out on the
+    scanned layer axis like the weights: [layers, rows, length, kv_heads, head_dim] each."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, rows, length, cfg.num_kv_heads, cfg.head_dim)
+    return (jnp.zeros(shape, self.policy.compute_dtype),) * 2
+
+  def extend(self, tokens: jax.Array, start: jax.Array, cache: tuple[jax.Array, jax.Array]):
+    """Run `tokens` [rows, t] (row r at positions start[r] + 0..t-1) through the model, reading
+    and writing `cache`: a prompt from position 0 (t >= 1, start 0), or one next token per row
+    (t == 1). Returns (fp32 logits [rows, t, vocab], cache)."""
+    positions = start[:, None] + jnp.arange(tokens.shape[1])
+    x, cos, sin = self._embed(tokens, positions)
+
+    def body(x, block, layer_cache):
+      return block.with_cache(x, cos, sin, layer_cache, start)
+
+    run_blocks = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                          transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    x, cache = run_blocks(x, self.blocks, cache)
+    return self._head(None)(self.final_norm(x)), cache
+
+  def _head(self, call: lora.AdapterCall | None):
+    """hidden [batch, n, d_model] -> fp32 logits [batch, n, vocab], as a plain function of arrays
+    (its weights are read here), so that a scan over chunks of positions can run it."""
+    dtype = self.policy.compute_dtype
+    if self.cfg.tie_embeddings:
+      table = self.embedding[...].astype(dtype)
+      project = lambda x: jnp.einsum('bld,vd->blv', x, table)
+    else:
+      graphdef, state = nnx.split(self.head)
+      project = lambda x: nnx.merge(graphdef, state)(x, call)
+    return lambda x: constrain(project(x).astype(jnp.float32), ('batch', 'length', 'vocab'))

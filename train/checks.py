@@ -2,9 +2,11 @@
 compile and before anything in the workdir is touched."""
 import dataclasses
 
+import jax
 from flax import nnx
 
 from models import ModelConfig, Transformer
+from models.attention import refusal as attention_refusal
 from parallel.rules import layout_rules
 from quant.adam8bit import BLOCK_SIZES
 from quant.lora import LoraSpec, check_targets
@@ -36,6 +38,10 @@ def policy(config) -> Policy:
       raise ValueError(f'quant.fp8_scaling=delayed cannot run under precision={policy.name!r}: its '
                        f'history updates travel with the gradients, which loss scaling rescales; '
                        f'use precision bf16_mixed or bf16')
+    refused = attention_refusal(config.model.get('attention', 'auto'), policy.compute_dtype,
+                                jax.default_backend())
+    if refused:
+      raise ValueError(refused)
     return dataclasses.replace(policy, matmul=recipe)
   except ValueError as e:
     raise ConfigError(str(e)) from None

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from models import ModelConfig
+from models.config import COMPUTE_FIELDS
 from parallel.sharding import logical_axes_tree, shardings_for
 from quant.lora import dense_paths
 from quant.weights import quantize_parts
@@ -125,11 +126,11 @@ def _run_source(workdir: str) -> Source:
 
 def apply_model_fields(config, source: Source) -> None:
   """The model shape is the source's: its fields, and the defaults for any it does not name (not
-  the preset's); the remat policy stays this run's choice."""
+  the preset's); how the step computes (remat, attention, loss chunks) stays this run's choice."""
   fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
   with config.unlocked():
     for key, value in {**fields, **source.model_fields}.items():
-      if key not in ('remat', 'init_std'):
+      if key not in (*COMPUTE_FIELDS, 'init_std'):
         config.model[key] = value
 
 

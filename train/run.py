@@ -15,7 +15,7 @@ from tqdm import tqdm
 import data as data_lib
 from memory.compiled import compiled_memory, format_bytes, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate
-from models.config import ModelConfig
+from models.config import COMPUTE_FIELDS, ModelConfig
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import DATA_PARALLEL_AXES, layout_rules
@@ -120,16 +120,13 @@ def _block_axes(ideal, stored: dict | None):
 def checkpoint_meta(s: Setup) -> dict:
   """What a checkpoint records about its state (train/checkpoint.py): the config fields that fix
   the arrays' meaning, and the 8-bit moments' blocking."""
-  model = {k: v for k, v in s.config.model.to_dict().items() if k not in COMPUTE_ONLY_MODEL_FIELDS}
+  model = {k: v for k, v in s.config.model.to_dict().items() if k not in COMPUTE_FIELDS}
   meta = {'identity': {'model': model, 'lora': s.config.lora.to_dict(),
                        'quant': {'weights': s.config.quant.weights}}}
   if s.block_axes is not None:
     meta['adam_block_axes'] = s.block_axes
   return meta
 
-
-# Model fields that change how the step computes, not what the parameters are: free on resume.
-COMPUTE_ONLY_MODEL_FIELDS = ('remat',)
 
 
 def compile_train_step(s: Setup):

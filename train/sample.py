@@ -1,44 +1,75 @@
-"""Text generation from a prompt, for a look at what the model learned.
+"""Text generation from prompts, with a key/value cache.
 
-No KV cache: each new token re-runs the model over a fixed-length window. Causality makes the
-logit at position t depend only on tokens <= t, so one compiled program serves every step; at the
-small shapes this is used for (a few hundred tokens) that costs well under a second.
+The prompts (a batch, of different lengths) run through the model once, filling each layer's keys
+and values (`Transformer.extend`); then each step runs one new token per row against that cache.
+Both are inside one jitted program, compiled once per batch shape. A row's prompt is padded at
+its end; the padding's cache entries lie after the row's own position, where the causal mask
+hides them, and the row's next tokens overwrite them in turn.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 
-def generate(graphdef, params, prompt: np.ndarray, *, num_tokens: int, window: int,
-             temperature: float, seed: int, vocab_limit: int | None = None,
-             frozen=None) -> np.ndarray:
-  """Returns the prompt followed by up to `num_tokens` sampled tokens (fewer if the window fills).
-  `frozen`: the base weights of a LoRA model.
+def generate_batch(graphdef, params, prompts: list, *, num_tokens: int, window: int,
+                   temperature: float, seed: int, vocab_limit: int | None = None,
+                   frozen=None) -> list[np.ndarray]:
+  """Each prompt followed by its sampled tokens, `num_tokens` of them or fewer where the
+  `window` (the cache's length in positions) fills. `temperature` 0 is greedy.
+  `frozen`: the base weights of a LoRA model. `vocab_limit`: sample only ids below it (a model
+  whose vocabulary is larger than the tokenizer's)."""
+  prompts = [np.asarray(p, np.int32)[-(window - 1):] for p in prompts]
+  if any(len(p) == 0 for p in prompts):
+    raise ValueError('every prompt needs at least one token')
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  steps = int(min(num_tokens, window - lengths.max()))
+  padded = np.zeros((len(prompts), int(lengths.max())), np.int32)
+  for row, p in enumerate(prompts):
+    padded[row, :len(p)] = p
+  tokens = _run(graphdef, params, {} if frozen is None else frozen, jnp.asarray(padded),
+                jnp.asarray(lengths), jax.random.key(seed), steps=steps, window=window,
+                temperature=float(temperature), vocab_limit=vocab_limit)
+  tokens = np.asarray(jax.device_get(tokens))
+  return [np.concatenate([p, tokens[row]]) for row, p in enumerate(prompts)]
 
-  `vocab_limit`: sample only ids below it (a model whose vocabulary is larger than the tokenizer's)."""
-  prompt = np.asarray(prompt, np.int32)[-(window - 1):]
-  end = min(window, len(prompt) + num_tokens)
 
-  @jax.jit
-  def run(params, frozen, buffer, key):
-    def next_token(position, carry):
-      buffer, key = carry
-      key, sample_key = jax.random.split(key)
-      logits = nnx.merge(graphdef, params, frozen)(buffer)[0, position - 1]
-      if vocab_limit is not None:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
-      if temperature > 0:
-        token = jax.random.categorical(sample_key, logits / temperature)
-      else:
-        token = jnp.argmax(logits)
-      return buffer.at[0, position].set(token.astype(buffer.dtype)), key
+def generate(graphdef, params, prompt, **kwargs) -> np.ndarray:
+  """One prompt (generate_batch's arguments): the prompt followed by its sampled tokens."""
+  return generate_batch(graphdef, params, [prompt], **kwargs)[0]
 
-    buffer, _ = jax.lax.fori_loop(len(prompt), end, next_token, (buffer, key))
-    return buffer
 
-  buffer = np.zeros((1, window), np.int32)
-  buffer[0, :len(prompt)] = prompt
-  out = run(params, {} if frozen is None else frozen, jnp.asarray(buffer),
-            jax.random.key(seed))
-  return np.asarray(jax.device_get(out))[0, :end]
+@functools.partial(jax.jit, static_argnames=('graphdef', 'steps', 'window', 'temperature',
+                                             'vocab_limit'))
+def _run(graphdef, params, frozen, prompts, lengths, key, *, steps, window, temperature,
+         vocab_limit):
+  """[rows, steps] tokens after each row's prompt (rows padded to one length)."""
+  def pick(logits, key):
+    if vocab_limit is not None:
+      logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    if temperature > 0:
+      return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  rows = prompts.shape[0]
+  model = nnx.merge(graphdef, params, frozen)
+  cache = model.new_cache(rows, window)
+  logits, cache = model.extend(prompts, jnp.zeros((rows,), jnp.int32), cache)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  keys = jax.random.split(key, max(steps, 1))
+  out = jnp.zeros((rows, steps), jnp.int32)
+  if steps == 0:
+    return out
+
+  def step(i, carry):
+    # The weights travel in the carry: an NNX model is built from values of the loop's own trace.
+    weights, out, cache, token = carry
+    out = out.at[:, i].set(token)
+    logits, cache = nnx.merge(graphdef, *weights).extend(token[:, None], lengths + i, cache)
+    return weights, out, cache, pick(logits[:, 0], keys[i + 1])
+
+  _, out, _, token = jax.lax.fori_loop(0, steps - 1, step,
+                                       ((params, frozen), out, cache, pick(last, keys[0])))
+  return out.at[:, steps - 1].set(token)

@@ -21,9 +21,8 @@ from quant.precision import Policy
 def cross_entropy(graphdef, params, frozen, batch, dropout_key=None) -> jax.Array:
   """Mean next-token cross-entropy in nats per token. `frozen`: the base weights under LoRA ({}
   otherwise); `dropout_key`: LoRA dropout on."""
-  logits = nnx.merge(graphdef, params, frozen)(batch['inputs'], dropout_key=dropout_key)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  return losses.mean()
+  model = nnx.merge(graphdef, params, frozen)
+  return model.token_losses(batch['inputs'], batch['targets'], dropout_key=dropout_key).mean()
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:

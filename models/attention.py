@@ -1,0 +1,213 @@
+"""Causal grouped-query attention, three ways (`model.attention`):
+
+- `xla`: the scores written out as one [t, t] block per head (the reference; memory quadratic in
+  the length);
+- `flash`: blockwise attention with an online softmax (FlashAttention-2's algorithm) written in
+  JAX, with its own backward pass that recomputes each block from the saved log-sum-exp: no
+  [t, t] block ever exists, forward or backward, so memory grows linearly with the length. It runs
+  on any backend, so the CPU's dry runs and tests see the memory a GPU run will have;
+- `cudnn`: `jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU, bf16/fp16 only).
+
+`auto` picks `cudnn` on a GPU in 16-bit compute and `flash` everywhere else.
+
+All take q [b, t, heads, d] and k, v [b, t, kv_heads, d]; query head h reads KV head
+h // (heads / kv_heads). q is scaled by 1/sqrt(d) before any product (the scores then never
+exceed what fp16 holds), the products accumulate in fp32 and the softmax runs in fp32.
+"""
+import jax
+import jax.numpy as jnp
+
+ATTENTIONS = ('auto', 'xla', 'flash', 'cudnn')
+# Query and key positions per flash block. 512 keeps a block's fp32 scores at 1 MiB per head: small
+# beside the layer's other buffers at any length, and long enough that the loop overhead is paid
+# once per 512 x 512 products.
+FLASH_BLOCK = 512
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def resolve(attention: str, compute_dtype, backend: str | None = None) -> str:
+  """The implementation `attention` stands for on `backend` (default: the one JAX runs on)."""
+  if attention != 'auto':
+    return attention
+  backend = backend or jax.default_backend()
+  sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return 'cudnn' if backend == 'gpu' and sixteen_bit else 'flash'
+
+
+def refusal(attention: str, compute_dtype, backend: str) -> str | None:
+  """Why `attention` cannot run in this compute dtype on this backend (None: it can)."""
+  if attention != 'cudnn':
+    return None
+  if backend != 'gpu':
+    return (f"model.attention='cudnn' runs only on a GPU (this run's backend is {backend}); "
+            f"use 'flash', 'xla' or 'auto'")
+  if jnp.dtype(compute_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return (f"model.attention='cudnn' needs bf16 or fp16 compute (this precision computes in "
+            f"{jnp.dtype(compute_dtype).name}); use 'flash', 'xla' or 'auto'")
+  return None
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str) -> jax.Array:
+  """Causal attention with the implementation `attention` names (after `resolve`)."""
+  attention = resolve(attention, q.dtype)
+  if attention == 'xla':
+    return xla_attention(q, k, v)
+  if attention == 'flash':
+    return flash_attention(q, k, v)
+  if attention == 'cudnn':
+    return jax.nn.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True,
+                                        implementation='cudnn')
+  raise ValueError(f'model.attention={attention!r}; allowed: {", ".join(ATTENTIONS)}')
+
+
+def _scaled_groups(q: jax.Array, kv_heads: int) -> jax.Array:
+  """q / sqrt(d), in its own dtype, as [b, t, kv_heads, group, d]."""
+  b, t, heads, d = q.shape
+  q = (q * (1.0 / d**0.5)).astype(q.dtype)
+  return q.reshape(b, t, kv_heads, heads // kv_heads, d)
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """The reference: every [t, t] score at once, fp32 softmax."""
+  b, t, heads, d = q.shape
+  qg = _scaled_groups(q, k.shape[2])
+  scores = _dot('btkgd,bskd->bkgts', qg, k)
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  probs = jax.nn.softmax(jnp.where(causal, scores, _MASKED), axis=-1).astype(v.dtype)
+  return _dot('bkgts,bskd->btkgd', probs, v).astype(q.dtype).reshape(b, t, heads, d)
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                     start: jax.Array) -> jax.Array:
+  """One new position per row: q [b, 1, heads, d] at position start[b] against a key/value cache
+  [b, S, kv_heads, d] whose positions up to start[b] are filled (later ones are masked)."""
+  b, _, heads, d = q.shape
+  qg = _scaled_groups(q, k_cache.shape[2])
+  scores = _dot('btkgd,bskd->bkgts', qg, k_cache)
+  visible = jnp.arange(k_cache.shape[1])[None, :] <= start[:, None]    # [b, S]
+  scores = jnp.where(visible[:, None, None, None, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+  return _dot('bkgts,bskd->btkgd', probs, v_cache).astype(q.dtype).reshape(b, 1, heads, d)
+
+
+# ---- flash: blocks of FLASH_BLOCK queries against blocks of FLASH_BLOCK keys -------------------
+# Blocked layouts: queries [n, b, kv_heads, group, block, d], keys and values [n, b, kv_heads,
+# block, d], per-row statistics [n, b, kv_heads, group, block]. Query block i attends to key blocks
+# 0..i; only the diagonal block needs the causal mask. The length is padded up to whole blocks:
+# padded keys lie after every real query, so causality already hides them, and padded query rows
+# are cut off at the end.
+
+def _block_mask(i: jax.Array, j: jax.Array, block: int) -> jax.Array:
+  rows = i * block + jnp.arange(block)[:, None]
+  cols = j * block + jnp.arange(block)[None, :]
+  return rows >= cols
+
+
+def _blocked_queries(x: jax.Array, n: int, block: int) -> jax.Array:
+  """[b, n * block, kv, g, d] -> [n, b, kv, g, block, d]."""
+  b, _, kv, g, d = x.shape
+  return x.reshape(b, n, block, kv, g, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _blocked_keys(x: jax.Array, n: int, block: int) -> jax.Array:
+  """[b, n * block, kv, d] -> [n, b, kv, block, d]."""
+  b, _, kv, d = x.shape
+  return x.reshape(b, n, block, kv, d).transpose(1, 0, 3, 2, 4)
+
+
+def _scores(qi, kj, i, j, block):
+  s = _dot('bkgqd,bksd->bkgqs', qi, kj)
+  return jnp.where(_block_mask(i, j, block), s, _MASKED)
+
+
+def _flash_forward(qb, kb, vb):
+  """Blocked outputs (in the compute dtype) and each row's log-sum-exp of the scores (fp32)."""
+  n, block = qb.shape[0], qb.shape[-2]
+
+  def query_block(_, inputs):
+    qi, i = inputs
+
+    def key_block(j, carry):
+      row_max, row_sum, acc = carry
+      s = _scores(qi, kb[j], i, j, block)
+      new_max = jnp.maximum(row_max, s.max(axis=-1))
+      p = jnp.exp(s - new_max[..., None])
+      fade = jnp.exp(row_max - new_max)
+      acc = acc * fade[..., None] + _dot('bkgqs,bksd->bkgqd', p.astype(vb.dtype), vb[j])
+      return new_max, row_sum * fade + p.sum(axis=-1), acc
+
+    stats = jnp.full(qi.shape[:-1], _MASKED, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
+    row_max, row_sum, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+    out = (acc / row_sum[..., None]).astype(qi.dtype)
+    return None, (out, row_max + jnp.log(row_sum))
+
+  _, (out, lse) = jax.lax.scan(query_block, None, (qb, jnp.arange(n)))
+  return out, lse
+
+
+def _flash_backward(qb, kb, vb, out, lse, d_out):
+  """Gradients of the blocked q, k, v: key block j's dk and dv gather over query blocks j..n-1;
+  each block's probabilities are rebuilt from the saved log-sum-exp (no [t, t] block is kept)."""
+  n, block = qb.shape[0], qb.shape[-2]
+  dtype = qb.dtype
+  # D_i = rowsum(dO * O): the softmax's backward without the probabilities of the whole row.
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+  def key_block(dq, inputs):
+    kj, vj, j = inputs
+
+    def query_block(i, carry):
+      dq, dk, dv = carry
+      qi, d_out_i = qb[i], d_out[i]
+      p = jnp.exp(_scores(qi, kj, i, j, block) - lse[i][..., None])
+      dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
+      dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
+      ds = (p * (dp - delta[i][..., None])).astype(dtype)
+      dq = dq.at[i].add(_dot('bkgqs,bksd->bkgqd', ds, kj))
+      dk = dk + _dot('bkgqs,bkgqd->bksd', ds, qi)
+      return dq, dk, dv
+
+    zeros = jnp.zeros(kj.shape, jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32),
+                              (kb, vb, jnp.arange(n)))
+  return dq.astype(dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
+
+
+@jax.custom_vjp
+def _flash_blocked(qb, kb, vb):
+  return _flash_forward(qb, kb, vb)[0]
+
+
+def _flash_blocked_fwd(qb, kb, vb):
+  out, lse = _flash_forward(qb, kb, vb)
+  return out, (qb, kb, vb, out, lse)
+
+
+def _flash_blocked_bwd(residuals, d_out):
+  return _flash_backward(*residuals, d_out)
+
+
+_flash_blocked.defvjp(_flash_blocked_fwd, _flash_blocked_bwd)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = FLASH_BLOCK) -> jax.Array:
+  """Blockwise causal attention; `block` query (and key) positions per block."""
+  b, t, heads, d = q.shape
+  kv_heads = k.shape[2]
+  block = min(block, t)
+  n = -(-t // block)
+  pad = [(0, 0), (0, n * block - t)] + [(0, 0)] * 2
+  qg = jnp.pad(_scaled_groups(q, kv_heads), pad + [(0, 0)])
+  qb = _blocked_queries(qg, n, block)
+  kb, vb = (_blocked_keys(jnp.pad(x, pad), n, block) for x in (k, v))
+  out = _flash_blocked(qb, kb, vb)                     # [n, b, kv, g, block, d]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, heads, d)
+  return out[:, :t]
