@@ -5,6 +5,7 @@ allocated, so the large presets size on a laptop.
 
   python -m bench.memory_matrix            # `small`-preset shapes on 8 simulated CPU devices
   python -m bench.memory_matrix --large    # 1b and 7b on 8 devices, 70b on 64
+  python -m bench.memory_matrix --long     # 7b at 4k-32k tokens per attention, 1b's chunked loss
 
 The last column names the part of the compiled total the estimate misses most: `arguments`
 (parameters and optimizer state), `outputs` (returned state that cannot reuse a donated buffer)
@@ -16,6 +17,8 @@ import time
 from absl import app, flags, logging
 
 _LARGE = flags.DEFINE_bool('large', False, 'The 1b, 7b (8 devices) and 70b (64 devices) presets.')
+_LONG = flags.DEFINE_bool('long', False, 'Long context: 7b at 4k-32k tokens with each attention '
+                          'implementation and the chunked loss; 1b with and without it.')
 
 # (layout, preset, devices, overrides): configs/layouts.py's layouts on top of a preset.
 SMALL = (
@@ -63,6 +66,23 @@ LARGE = (
     ('fsdp', '70b', 64, {}),
     ('fsdp_tp', '70b', 64, {}),
     ('fsdp', '70b', 64, {'quant.adam_bits': 8}),
+)
+
+# Long context (issue 12's table): ZeRO-3 over 8 devices, full remat, one sequence per device per
+# microbatch (batch 32 in 4 microbatches), at each length, per attention and loss chunking.
+LONG = tuple(
+    ('fsdp', '7b', 8, {'train.seq_len': seq, 'model.max_seq_len': 32768, 'model.attention': attention,
+                       **({'model.loss_chunk': chunk} if chunk else {})})
+    for seq in (4096, 8192, 16384, 32768)
+    for attention, chunk in (('xla', 0), ('flash', 0), ('flash', 1024))
+) + (
+    ('fsdp', '1b', 8, {'model.loss_chunk': 0}),
+    ('fsdp', '1b', 8, {'model.loss_chunk': 1024}),
+    ('fsdp', '1b', 8, {'train.seq_len': 8192, 'train.batch_size': 16, 'train.microbatches': 2}),
+    ('fsdp', '1b', 8, {'train.seq_len': 8192, 'train.batch_size': 16, 'train.microbatches': 2,
+                       'model.loss_chunk': 1024}),
+    ('tp', '1b', 8, {'model.loss_chunk': 0}),
+    ('tp', '1b', 8, {'model.loss_chunk': 1024}),
 )
 
 
@@ -125,10 +145,10 @@ def table_row(row: dict, unit: str) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  matrix = LARGE if _LARGE.value else SMALL
+  matrix = LONG if _LONG.value else LARGE if _LARGE.value else SMALL
   import jax
   jax.config.update('jax_num_cpu_devices', max(devices for _, _, devices, _ in matrix))
-  unit = 'GiB' if _LARGE.value else 'MiB'
+  unit = 'GiB' if _LARGE.value or _LONG.value else 'MiB'
   print(table_header(unit))
   start, errors = time.perf_counter(), []
   for layout, preset, devices, overrides in matrix:

@@ -57,8 +57,9 @@ XLA places at the end of the backward pass. With microbatches, loop-invariant co
 tables, casts) are hoisted out of the microbatch loop and stay for the whole step.
 
 XLA:CPU (`backend='cpu'`, the only backend this model has been checked against; the dry run and the
-simulated devices compile for it) has no bf16 matmul (it has fp16 ones): it converts the operands
-of every bf16 dot to fp32 (`upcasts`). Because the converts of loop-invariant operands are hoisted
+simulated devices compile for it) in jax 0.10 has no bf16 matmul (it has fp16 ones): it converts
+the operands of every bf16 dot to fp32 (`upcasts`; jax 0.11's XLA:CPU multiplies in bf16, and
+`cpu_upcasts_bf16` asks the installed compiler which it is). Because the converts of loop-invariant operands are hoisted
 out of the layer scan, at the backward peak every saved activation is held in fp32, the stacked
 layer weights get an fp32 copy (of the saved compute-dtype cast without remat, or of the weights
 themselves when they are stored in bf16 and not gathered layer by layer), the attention backward
@@ -76,10 +77,14 @@ tiny, state-dominated shapes. XLA's heap fragmentation is not modelled either: t
 was within 1 % of the largest live set in every compile examined.
 """
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
+from models.attention import FLASH_BLOCK
+from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
 from quant.precision import Policy
 
@@ -115,8 +120,23 @@ class StepShape:
 
 
 def upcasts(policy: Policy, backend: str) -> bool:
-  """XLA:CPU converts the operands of bf16 matmuls to fp32 (it has fp16 ones, not bf16)."""
-  return backend == 'cpu' and jnp.dtype(policy.compute_dtype) == jnp.bfloat16
+  """Whether the compiler converts the operands of bf16 matmuls to fp32: XLA:CPU up to jax 0.10
+  (it had fp16 matmuls, not bf16 ones); see cpu_upcasts_bf16."""
+  return (backend == 'cpu' and jnp.dtype(policy.compute_dtype) == jnp.bfloat16
+          and cpu_upcasts_bf16())
+
+
+@functools.cache
+def cpu_upcasts_bf16() -> bool:
+  """Asks the installed XLA:CPU: compiles a bf16 x bf16 matmul and reads whether the product
+  runs in fp32 (jax 0.10: it converts both operands) or in bf16 (jax 0.11). Compiling needs no
+  allocation and takes milliseconds; the answer is the compiler's, not a version table's."""
+  cpu = jax.devices('cpu')[0]
+  operand = jax.ShapeDtypeStruct((8, 8), jnp.bfloat16,
+                                 sharding=jax.sharding.SingleDeviceSharding(cpu))
+  text = jax.jit(lambda a, b: a @ b).lower(operand, operand).compile().as_text()
+  dots = [line for line in text.splitlines() if ' dot(' in line]
+  return bool(dots) and all('= f32[' in line for line in dots)
 
 
 def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int = 1,
@@ -125,12 +145,12 @@ def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, te
   c = FP32 if upcasts(policy, backend) else policy.compute_bytes   # XLA:CPU holds them in fp32
   d, hd = cfg.d_model, cfg.head_dim
   q, kv = cfg.num_heads * hd / tensor, cfg.num_kv_heads * hd / tensor
-  scores, mlp = cfg.num_heads * seq_len / tensor, cfg.mlp_dim / tensor
+  mlp = cfg.mlp_dim / tensor
   if remat == 'none':
     return {
         'residual_and_norms': 4 * d * FP32 + 2 * d * c,   # fp32 norm inputs, normed outputs
         'qkv': (2 * q + 2 * kv) * c,                       # query, key, value, attention output
-        'attention_scores': scores * (FP32 + c),           # fp32 scores, probabilities
+        'attention_scores': _attention_saved(cfg, policy, seq_len, tensor, backend),
         'mlp': 6 * mlp * c,                                # SwiGLU's gate, up and their products
     }
   kept = {
@@ -139,6 +159,40 @@ def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, te
       'qkv': {'residual_and_norms': d * c, 'qkv': (q + 2 * kv) * c},
   }
   return kept[remat]
+
+
+def fused_attention(cfg: ModelConfig, policy: Policy, backend: str) -> bool:
+  """Whether the attention never holds a [length, length] block (flash, cuDNN)."""
+  return resolve_attention(cfg.attention, policy.compute_dtype, backend) != 'xla'
+
+
+def _attention_saved(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int,
+                     backend: str) -> float:
+  """Bytes per token the attention itself keeps for its backward pass, besides q, k, v and its
+  output: the fp32 scores and the probabilities (xla), or the blocked copies of q, k, v and the
+  output that the fused kernel takes, and its fp32 log-sum-exp per row (flash, cuDNN)."""
+  c = FP32 if upcasts(policy, backend) else policy.compute_bytes
+  heads = cfg.num_heads / tensor
+  if not fused_attention(cfg, policy, backend):
+    return heads * seq_len * (FP32 + c)
+  q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / tensor
+  return (2 * q + 2 * kv) * c + heads * FP32
+
+
+def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Bytes per token at the attention's backward peak, beyond the recomputed forward values.
+  xla: the fp32 gradient of the probabilities, and on CPU with bf16 compute the fp32 copy of the
+  probabilities its matmuls take. Flash: fp32 accumulators of dq, dk and dv and the output
+  gradient in the blocked layout, and per row of the batch one block's fp32 scores,
+  probabilities and their gradients (FLASH_BLOCK squared, four times per query head)."""
+  heads = cfg.num_heads / shape.tensor
+  if not fused_attention(cfg, policy, shape.backend):
+    copies = 2 if upcasts(policy, shape.backend) else 1
+    return copies * heads * shape.seq_len * FP32
+  c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
+  q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
+  block = min(FLASH_BLOCK, shape.seq_len)
+  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + 4 * heads * block * block * FP32 / shape.seq_len
 
 
 def _vocab_matrices(cfg: ModelConfig) -> int:
@@ -225,6 +279,11 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     gpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
     cpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'cpu')
     layer = {k: (gpu[k] + cpu[k]) / 2 for k in gpu}
+    if not fused_attention(cfg, policy, shape.backend):
+      # The scores come out of their matmul in fp32 and the probabilities are rounded to bf16
+      # only as the operand of a matmul: the CPU's fp32 copy of that operand is counted at the
+      # attention's backward point, and no 16-bit copy stays.
+      layer['attention_scores'] = cfg.num_heads * shape.seq_len * FP32 / shape.tensor
   common = layer['residual_and_norms'] + layer['qkv'] + layer['attention_scores']
   if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
     common += 2 * cfg.d_model * FP32
@@ -233,10 +292,7 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   # gradients take the place of the slices of the saved stacks already consumed.
   recomputed_mlp = cfg.remat in ('full', 'qkv')
   mlp_point = layer['mlp'] + (3 * cfg.mlp_dim / shape.tensor * FP32 if recomputed_mlp else 0)
-  # The fp32 gradient of the attention probabilities; on CPU with bf16 compute also an fp32 copy
-  # of the probabilities, the operand of the two matmuls that take them.
-  copies = 2 if upcasts(policy, shape.backend) else 1
-  attention_point = copies * cfg.num_heads * shape.seq_len * FP32 / shape.tensor
+  attention_point = _attention_backward(cfg, policy, shape)
   weights = (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor
   # The layer's weight gradient (fp32 on CPU, where bf16 matmuls run in fp32).
   weight_bytes = FP32 if upcasts(policy, shape.backend) else policy.param_bytes
@@ -301,7 +357,11 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # At the end of the backward pass the two full-size gradients are summed and reduced (on CPU an
   # all-reduce, then each device keeps its slice), its input and output beside them.
   reduction = (hoisted + 4 * full_grads) * table
-  logits = shape.tokens * cfg.vocab_size / shape.tensor * (
+  # The fp32 logits and their gradient (and the compute-dtype gradient the head's matmul takes),
+  # for the whole sequence, or with `model.loss_chunk` for one chunk of positions at a time.
+  chunked = 0 < cfg.loss_chunk < shape.seq_len
+  logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
+  logits = logit_tokens * cfg.vocab_size / shape.tensor * (
       2 * FP32 + (policy.compute_bytes if policy.compute_bytes < FP32 else 0))
   # The final norm's input and output and their gradients, fp32.
   logits += 4 * shape.tokens * cfg.d_model * FP32

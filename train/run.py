@@ -138,16 +138,7 @@ def compile_train_step(s: Setup):
 
 
 def memory_report(s: Setup, compiled) -> dict:
-  train = s.config.train
-  rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
-  shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
-                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
-                    adam_bits=s.config.quant.adam_bits,
-                    adam_block_size=s.config.quant.adam_block_size,
-                    backend=s.mesh.devices.flat[0].platform)
   trainable, base = s.spec.sizes()
-  frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
-            if 'frozen' in s.layout.abstract else None)
   return {
       'num_params': s.model.num_params,
       'trainable_params': trainable,
@@ -155,13 +146,28 @@ def memory_report(s: Setup, compiled) -> dict:
       'mesh': dict(s.mesh.shape),
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
-      'estimate_bytes': estimate(s.model, s.policy, shape, frozen),
+      'estimate_bytes': estimated_bytes(s),
       # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
       # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
-      'estimate_gpu_bytes': estimate(s.model, s.policy, dataclasses.replace(shape, backend='gpu'),
-                                     frozen),
+      'estimate_gpu_bytes': estimated_bytes(s, backend='gpu'),
       'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
   }
+
+
+def estimated_bytes(s: Setup, backend: str | None = None) -> dict:
+  """The analytic model's bytes per device (memory/estimate.py) for this setup's step, on
+  `backend` (default: the platform of the mesh's devices)."""
+  train = s.config.train
+  rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
+  shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
+                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
+                    adam_bits=s.config.quant.adam_bits,
+                    adam_block_size=s.config.quant.adam_block_size,
+                    backend=backend or s.mesh.devices.flat[0].platform)
+  trainable, base = s.spec.sizes()
+  frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
+            if 'frozen' in s.layout.abstract else None)
+  return estimate(s.model, s.policy, shape, frozen)
 
 
 def print_summary(s: Setup, memory: dict) -> None:
