@@ -183,8 +183,9 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   """Bytes per token at the attention's backward peak, beyond the recomputed forward values.
   xla: the fp32 gradient of the probabilities, and on CPU with bf16 compute the fp32 copy of the
   probabilities its matmuls take. Flash: fp32 accumulators of dq, dk and dv and the output
-  gradient in the blocked layout, and per row of the batch one block's fp32 scores,
-  probabilities and their gradients (FLASH_BLOCK squared, four times per query head)."""
+  gradient in the blocked layout, and per row of the batch one block pair's fp32 probabilities,
+  their gradient and the scores' gradient (FLASH_BLOCK squared, three times per query head:
+  measured at the tiny preset with two blocks, where they are a large part of the step)."""
   heads = cfg.num_heads / shape.tensor
   if not fused_attention(cfg, policy, shape.backend):
     copies = 2 if upcasts(policy, shape.backend) else 1
@@ -192,7 +193,7 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
   block = min(FLASH_BLOCK, shape.seq_len)
-  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + 4 * heads * block * block * FP32 / shape.seq_len
+  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + 3 * heads * block * block * FP32 / shape.seq_len
 
 
 def _vocab_matrices(cfg: ModelConfig) -> int:

@@ -1,5 +1,6 @@
 """memory/estimate.py: the analytic per-device total agrees with XLA's compiled one within 10 %
-across layouts, precisions, remat policies, 8-bit Adam and microbatches (8 simulated CPU devices,
+across layouts, precisions, remat policies, 8-bit Adam, microbatches, attention implementations
+and the chunked loss, on the installed jax's XLA:CPU (8 simulated CPU devices,
 the `tiny` preset so that each compile takes seconds); `python -m bench.memory_matrix` runs the
 larger matrix."""
 import dataclasses
@@ -21,6 +22,12 @@ CASES = [
     ('tp', {'precision': 'bf16', 'model.num_kv_heads': 4}),   # tp splits kv heads 4 ways
     ('fsdp_tp', {'precision': 'fp32', 'model.remat': 'full'}),
     ('ddp', {'precision': 'bf16_mixed', 'model.remat': 'dots'}),
+    # Longer than a flash block (two blocks of 512), with the loss in chunks, and the same length
+    # with the written-out attention.
+    ('fsdp', {'precision': 'bf16_mixed', 'model.remat': 'full', 'train.seq_len': 1024,
+              'model.max_seq_len': 1024, 'model.attention': 'flash', 'model.loss_chunk': 256}),
+    ('fsdp', {'precision': 'fp32', 'train.seq_len': 1024, 'model.max_seq_len': 1024,
+              'model.attention': 'xla'}),
 ]
 
 
@@ -62,6 +69,18 @@ def test_only_16_bit_compute_pays_for_the_cpu_fp32_copies():
   gpu = dataclasses.replace(shape, backend='gpu')
   fp32 = get_policy('fp32')
   assert estimate(CFG, fp32, shape) == estimate(CFG, fp32, gpu)
-  bf16 = get_policy('bf16_mixed')
-  assert estimate(CFG, bf16, gpu)['total'] < estimate(CFG, bf16, shape)['total']
 
+
+
+def test_the_cpu_estimate_follows_the_installed_compiler():
+  """The CPU's fp32 copies of bf16 matmul operands are counted exactly when the installed XLA:CPU
+  makes them (jax 0.10 does, 0.11 does not)."""
+  import jax
+  import jax.numpy as jnp
+  from memory.estimate import cpu_upcasts_bf16
+  a = jnp.ones((4, 4), jnp.bfloat16)
+  hlo = jax.jit(lambda x: x @ x).lower(a).compile().as_text()
+  assert cpu_upcasts_bf16() == ('f32[4,4]{1,0} dot(' in hlo)
+  bf16, shape = get_policy('bf16_mixed'), StepShape(rows_per_device=2, seq_len=64)
+  copies = estimate(CFG, bf16, shape)['total'] > estimate(CFG, bf16, dataclasses.replace(shape, backend='gpu'))['total']
+  assert copies == cpu_upcasts_bf16()
