@@ -132,7 +132,8 @@ def cpu_upcasts_bf16() -> bool:
   runs in fp32 (jax 0.10: it converts both operands) or in bf16 (jax 0.11). Compiling needs no
   allocation and takes milliseconds; the answer is the compiler's, not a version table's."""
   cpu = jax.devices('cpu')[0]
-  operand = jax.ShapeDtypeStruct((8, 8), jnp.bfloat16,
+  # A model-sized product: jax 0.11 still converts tiny ones (4 x 4) to fp32.
+  operand = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16,
                                  sharding=jax.sharding.SingleDeviceSharding(cpu))
   text = jax.jit(lambda a, b: a @ b).lower(operand, operand).compile().as_text()
   dots = [line for line in text.splitlines() if ' dot(' in line]
