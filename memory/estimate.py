@@ -21,7 +21,8 @@ Model state (the step's arguments, and the gradients, which live through the who
 
 The rest is the largest of three phases, each holding the gradients and whatever it adds:
 - the head's backward pass (`activations`: the saved activations, the fp32 logits and their fp32
-  gradient, the compute-dtype gradient the head's matmul takes, and the final norm's four fp32
+  gradient, the compute-dtype gradient the head's matmul takes (for one chunk of positions with
+  `model.loss_chunk`), and the final norm's four fp32
   d_model rows; `temporaries`: the vocabulary copies below);
 - the layers' backward pass, one layer at a time (`activations`: the saved activations and the
   layer's working set below; `temporaries`: the layer's weight gradient, the vocabulary buffers
@@ -36,7 +37,9 @@ The rest is the largest of three phases, each holding the gradients and whatever
 Saved activations, per token per layer (`saved_per_token_per_layer`). Without remat: 6 d_model rows
 (4 fp32 inside the two RMSNorms, 2 normed outputs in the compute dtype), query and attention output
 (heads x head_dim each), key and value (kv_heads x head_dim each), the fp32 attention scores and the
-probabilities (heads x length each), 6 mlp_dim rows of the SwiGLU. `full` keeps the residual
+probabilities (heads x length each; with a fused attention, flash or cuDNN (models/attention.py),
+the blocked copies of q, k, v and the output its kernel takes and an fp32 log-sum-exp per head
+instead: nothing of length x length), 6 mlp_dim rows of the SwiGLU. `full` keeps the residual
 stream; `dots` also the outputs of the matmuls without batch dimensions (query, key, value, gate,
 up) and one more d_model row; `qkv` the residual stream, query, key and value. Tensor parallelism
 splits all but the d_model rows. The layers are scanned, so every layer's saved values are stacked
@@ -45,7 +48,8 @@ and stay allocated until the backward scan ends.
 One layer's backward working set (`layer_backward_bytes`): a layer's worth of un-rematerialised
 activations (the slices of the saved stacks, or under remat the recomputed forward values) at the
 larger of two points: the MLP's (its rows, plus three fp32 mlp_dim gradients where they were
-recomputed) or the attention's (the fp32 gradient of the probabilities). Under tensor parallelism
+recomputed) or the attention's (the fp32 gradient of the probabilities; with a fused attention its
+fp32 dq, dk, dv accumulators and one block pair's scores per row). Under tensor parallelism
 the attention and MLP outputs exist twice, as partial sums and after their all-reduce. Where the
 weights outweigh the activations (small batches) the peak is instead at the weights: the layer's
 weights and their gradient (or under ZeRO-2/3 the gradient before and after its reduction).

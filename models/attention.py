@@ -119,6 +119,22 @@ def _blocked_keys(x: jax.Array, n: int, block: int) -> jax.Array:
   return x.reshape(b, n, block, kv, d).transpose(1, 0, 3, 2, 4)
 
 
+def _loop(lower, upper, body, init, n: int):
+  """fori_loop over block indices; with a single block (n == 1) the body once, so that short
+  sequences compile and run without loops."""
+  if n == 1:
+    return body(jnp.int32(0), init)
+  return jax.lax.fori_loop(lower, upper, body, init)
+
+
+def _over_blocks(body, carry, xs, n: int):
+  """lax.scan over the leading (block) axis of xs; with a single block, the body once."""
+  if n == 1:
+    carry, ys = body(carry, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], ys)
+  return jax.lax.scan(body, carry, xs)
+
+
 def _scores(qi, kj, i, j, block):
   s = _dot('bkgqd,bksd->bkgqs', qi, kj)
   return jnp.where(_block_mask(i, j, block), s, _MASKED)
@@ -142,11 +158,11 @@ def _flash_forward(qb, kb, vb):
 
     stats = jnp.full(qi.shape[:-1], _MASKED, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
-    row_max, row_sum, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+    row_max, row_sum, acc = _loop(0, i + 1, key_block, init, n)
     out = (acc / row_sum[..., None]).astype(qi.dtype)
     return None, (out, row_max + jnp.log(row_sum))
 
-  _, (out, lse) = jax.lax.scan(query_block, None, (qb, jnp.arange(n)))
+  _, (out, lse) = _over_blocks(query_block, None, (qb, jnp.arange(n)), n)
   return out, lse
 
 
@@ -173,11 +189,11 @@ def _flash_backward(qb, kb, vb, out, lse, d_out):
       return dq, dk, dv
 
     zeros = jnp.zeros(kj.shape, jnp.float32)
-    dq, dk, dv = jax.lax.fori_loop(j, n, query_block, (dq, zeros, zeros))
+    dq, dk, dv = _loop(j, n, query_block, (dq, zeros, zeros), n)
     return dq, (dk, dv)
 
-  dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32),
-                              (kb, vb, jnp.arange(n)))
+  dq, (dk, dv) = _over_blocks(key_block, jnp.zeros(qb.shape, jnp.float32),
+                              (kb, vb, jnp.arange(n)), n)
   return dq.astype(dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
 
 
