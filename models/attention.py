@@ -25,13 +25,16 @@ FLASH_BLOCK = 512
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
+def _sixteen_bit(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def resolve(attention: str, compute_dtype, backend: str | None = None) -> str:
   """The implementation `attention` stands for on `backend` (default: the one JAX runs on)."""
   if attention != 'auto':
     return attention
   backend = backend or jax.default_backend()
-  sixteen_bit = jnp.dtype(compute_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return 'cudnn' if backend == 'gpu' and sixteen_bit else 'flash'
+  return 'cudnn' if backend == 'gpu' and _sixteen_bit(compute_dtype) else 'flash'
 
 
 def refusal(attention: str, compute_dtype, backend: str) -> str | None:
@@ -41,7 +44,7 @@ def refusal(attention: str, compute_dtype, backend: str) -> str | None:
   if backend != 'gpu':
     return (f"model.attention='cudnn' runs only on a GPU (this run's backend is {backend}); "
             f"use 'flash', 'xla' or 'auto'")
-  if jnp.dtype(compute_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+  if not _sixteen_bit(compute_dtype):
     return (f"model.attention='cudnn' needs bf16 or fp16 compute (this precision computes in "
             f"{jnp.dtype(compute_dtype).name}); use 'flash', 'xla' or 'auto'")
   return None
