@@ -52,7 +52,8 @@ def markdown() -> str:
             f'{classic.CLASSIC_ACTIVATION_BYTES_PER_PARAM} bytes/param of activations and '
             f'temporaries; in {classic.SEQ_LEN}-token sequences of estimate()\'s fp32, no-remat '
             f'activations that rule is: {sequences}.',
-            'LoRA / QLoRA rows: not yet (the project has no LoRA training path).']
+            'LoRA / QLoRA: not rows of this table; their memory is measured by '
+            '`python -m bench.finetune` (WORKSPACE, "Memory: full fine-tuning vs LoRA vs QLoRA").']
   return '\n'.join(lines)
 
 

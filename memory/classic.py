@@ -40,7 +40,8 @@ Assumptions, all of them:
   fp32 moments (16 bytes/param of state, as the classic) and saves activations; bf16 with 8-bit Adam
   keeps bf16 weights and gradients and blockwise 8-bit moments (2 + 2 + 2 = 6 bytes/param, plus one
   fp32 scale per 2048 values and fp32 moments for the norm scales).
-- LoRA and QLoRA rows do not exist yet: the project has no LoRA training path to account for.
+- LoRA and QLoRA are not rows of this table (it keeps the classic's full-training framing); their
+  memory at the 1B and 7B presets is measured by `python -m bench.finetune` (WORKSPACE.md).
 """
 import dataclasses
 
