@@ -186,14 +186,16 @@ def _attention_saved(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int
 
 def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes per token at the attention's backward peak, beyond the recomputed forward values.
-  xla: the fp32 gradient of the probabilities, and on CPU with bf16 compute the fp32 copy of the
-  probabilities its matmuls take. Flash: fp32 accumulators of dq, dk and dv and the output
+  xla: the fp32 gradient of the probabilities, and the fp32 probabilities where they were
+  recomputed or where the CPU copies them for its matmuls (bf16 compute on jax 0.10). Flash: fp32 accumulators of dq, dk and dv and the output
   gradient in the blocked layout, and per row of the batch one block pair's fp32 probabilities,
   their gradient and the scores' gradient (FLASH_BLOCK squared, three times per query head:
   measured at the tiny preset with two blocks, where they are a large part of the step)."""
   heads = cfg.num_heads / shape.tensor
   if not fused_attention(cfg, policy, shape.backend):
-    copies = 2 if upcasts(policy, shape.backend) else 1
+    # Without remat the probabilities are slices of the saved stack (counted there) unless the
+    # CPU takes an fp32 copy of them; recomputed, they are here in fp32 beside their gradient.
+    copies = 2 if upcasts(policy, shape.backend) or cfg.remat != 'none' else 1
     return copies * heads * shape.seq_len * FP32
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
@@ -285,11 +287,11 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     gpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
     cpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'cpu')
     layer = {k: (gpu[k] + cpu[k]) / 2 for k in gpu}
-    if not fused_attention(cfg, policy, shape.backend):
-      # The scores come out of their matmul in fp32 and the probabilities are rounded to bf16
-      # only as the operand of a matmul: the CPU's fp32 copy of that operand is counted at the
-      # attention's backward point, and no 16-bit copy stays.
-      layer['attention_scores'] = cfg.num_heads * shape.seq_len * FP32 / shape.tensor
+  if cfg.remat != 'none' and not fused_attention(cfg, policy, shape.backend):
+    # Recomputed, the scores come out of their matmul in fp32 and the probabilities are rounded
+    # to 16 bits only as the operand of a matmul: the fp32 probabilities are counted at the
+    # attention's backward point, and no 16-bit copy stays.
+    layer['attention_scores'] = cfg.num_heads * shape.seq_len * FP32 / shape.tensor
   common = layer['residual_and_norms'] + layer['qkv'] + layer['attention_scores']
   if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
     common += 2 * cfg.d_model * FP32
