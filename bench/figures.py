@@ -82,7 +82,8 @@ def main(argv):
   moved = []
   for name in names:
     figures['configs'][name] = dry_run_figures(name)
-    status = 'error: ' + figures['configs'][name]['error'] if 'error' in figures['configs'][name] else 'ok'
+    got = figures['configs'][name]
+    status = f'error: {got["error"]}' if 'error' in got else 'ok'
     if recorded is not None:
       found = differences(recorded['configs'].get(name, {}), figures['configs'][name])
       moved += [f'{name}.{line}' for line in found]

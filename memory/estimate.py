@@ -187,9 +187,9 @@ def _attention_saved(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int
 def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes per token at the attention's backward peak, beyond the recomputed forward values.
   xla: the fp32 gradient of the probabilities, and the fp32 probabilities where they were
-  recomputed or where the CPU copies them for its matmuls (bf16 compute on jax 0.10). Flash: fp32 accumulators of dq, dk and dv and the output
-  gradient in the blocked layout, and per row of the batch one block pair's fp32 probabilities,
-  their gradient and the scores' gradient (FLASH_BLOCK squared, three times per query head:
+  recomputed or where the CPU copies them for its matmuls (bf16 compute on jax 0.10).
+  Flash: fp32 accumulators of dq, dk and dv and the output gradient in the blocked layout, and
+  per row of the batch one block pair's fp32 probabilities, their gradient and the scores' gradient (FLASH_BLOCK squared, three times per query head:
   measured at the tiny preset with two blocks, where they are a large part of the step)."""
   heads = cfg.num_heads / shape.tensor
   if not fused_attention(cfg, policy, shape.backend):
@@ -200,7 +200,8 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
   block = min(FLASH_BLOCK, shape.seq_len)
-  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + 3 * heads * block * block * FP32 / shape.seq_len
+  per_row_block = 3 * heads * block * block * FP32
+  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + per_row_block / shape.seq_len
 
 
 def _vocab_matrices(cfg: ModelConfig) -> int:

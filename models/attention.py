@@ -217,7 +217,8 @@ def _flash_blocked_bwd(residuals, d_out):
 _flash_blocked.defvjp(_flash_blocked_fwd, _flash_blocked_bwd)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = FLASH_BLOCK) -> jax.Array:
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                    block: int = FLASH_BLOCK) -> jax.Array:
   """Blockwise causal attention; `block` query (and key) positions per block."""
   b, t, heads, d = q.shape
   kv_heads = k.shape[2]

@@ -30,7 +30,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   remat: str = 'none'
   attention: str = 'auto'   # xla, flash, cudnn, or auto (models/attention.py)
-  loss_chunk: int = 0       # > 0: the head and the loss run this many positions at a time (models/loss.py)
+  loss_chunk: int = 0       # > 0: the head and loss run this many positions at a time (models/loss.py)
   init_std: float = 0.02
   norm: str = 'rms'
   mlp: str = 'swiglu'
@@ -64,8 +64,9 @@ class ModelConfig:
                        f'model.num_kv_heads={self.num_kv_heads} (grouped-query attention)')
     if self.head_dim % 2:
       raise ValueError(f'model.head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)')
-    if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-      raise ValueError(f'model.loss_chunk={self.loss_chunk!r}; it must be 0 (the whole sequence at once) '
+    chunk = self.loss_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+      raise ValueError(f'model.loss_chunk={chunk!r}; it must be 0 (the whole sequence at once) '
                        f'or a positive number of positions')
     for name, allowed in (('remat', REMAT_POLICIES), ('attention', ATTENTIONS), ('norm', NORMS),
                           ('mlp', MLPS), ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):

@@ -1,5 +1,6 @@
 """The blocks of the decoder: RMSNorm or LayerNorm, rotary embeddings, grouped-query attention
-(its implementations: models/attention.py), SwiGLU or GELU MLP (Llama by default; GPT-2 through the model options in models/config.py).
+(its implementations: models/attention.py), SwiGLU or GELU MLP (Llama by default; GPT-2 through
+the model options in models/config.py).
 
 Every block passes an `AdapterCall` (quant/lora.py) down to its dense layers: LoRA dropout keys and
 the reference-rows mask; None when the model has no adapters or runs without dropout."""

@@ -69,7 +69,8 @@ def test_flash_equals_xla_in_16_bits(dtype):
   # Both round the probabilities (forward) and the scores' gradient (backward) to the format before
   # a product, at different points: a few ulps of the largest value, 2**-(mantissa bits) each.
   ulp = float(jnp.finfo(dtype).eps)
-  assert jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))) <= _bound(ref_out, 4 * ulp)
+  diff = jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32)))
+  assert diff <= _bound(ref_out, 4 * ulp)
   for name, g, ref in zip('qkv', grads, ref_grads):
     diff = jnp.max(jnp.abs(g.astype(jnp.float32) - ref.astype(jnp.float32)))
     assert diff <= _bound(ref, 16 * ulp), f'd{name}'
