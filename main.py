@@ -145,6 +145,7 @@ def main(argv):
   from train import checks, run
   from train.checkpoint import CheckpointError
   from train.init_from import InitError
+  from train.loop import NonFiniteError
   from train.workdir_lock import WorkdirBusy
 
   import jax
@@ -168,7 +169,7 @@ def main(argv):
     else:
       run.train_and_evaluate(config, workdir)
   except (checks.ConfigError, DataError, CheckpointError, InitError, WorkdirBusy,
-          run.NonFiniteError) as e:
+          NonFiniteError) as e:
     sys.exit(f'error: {e}')
   print(f'outputs     {os.path.abspath(workdir)}')
 

@@ -37,7 +37,7 @@ def main(argv):
   import data as data_lib
   from configs import default
   from quant.llm_int8 import recording_outliers
-  from quant.weights import stored_bytes
+  from models.dense import stored_bytes
   from train import checks, ptq, run
   from train.checkpoint import CheckpointError
   from train.evaluate import evaluate, make_eval_step

@@ -81,3 +81,24 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   )
   config.sample = dict(prompt='def ', length=200, temperature=0.8)
   return config
+
+
+def override(config: ml_collections.ConfigDict, key: str, value) -> None:
+  """Sets a dotted key (`train.steps`) the way `--config.train.steps=...` does."""
+  *parents, leaf = key.split('.')
+  node = config
+  for part in parents:
+    node = node[part]
+  node[leaf] = value
+
+
+def variant(name: str, preset: str | None, overrides: dict,
+            description: str) -> ml_collections.ConfigDict:
+  """The default experiment on `preset` with dotted-key `overrides`: what every named layout,
+  precision and fine-tuning recipe is."""
+  config = get_config(preset)
+  config.name = f'{name}:{preset or "small"}'
+  config.description = description
+  for key, value in overrides.items():
+    override(config, key, value)
+  return config

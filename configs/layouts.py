@@ -20,10 +20,5 @@ LAYOUTS = {
 
 def layout_config(layout: str, preset: str | None) -> ml_collections.ConfigDict:
   mesh, zero_stage, description = LAYOUTS[layout]
-  config = default.get_config(preset)
-  config.name = f'{layout}:{preset or "small"}'
-  config.description = description
-  config.mesh = mesh
-  config.parallel.zero_stage = zero_stage
-  config.host_devices = 8
-  return config
+  return default.variant(layout, preset, {'mesh': mesh, 'parallel.zero_stage': zero_stage,
+                                          'host_devices': 8}, description)

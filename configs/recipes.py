@@ -9,25 +9,19 @@ import ml_collections
 from configs import default
 
 RECIPES = {
-    # name: (precision, quant settings, what it is)
-    'bf16': ('bf16_mixed', {}, 'bf16 compute, fp32 master weights and Adam'),
-    'fp8': ('bf16_mixed', dict(mode='fp8'),
+    # name: (dotted-key settings, what it is); adam8bit keeps the preset's own precision
+    'bf16': ({'precision': 'bf16_mixed'}, 'bf16 compute, fp32 master weights and Adam'),
+    'fp8': ({'precision': 'bf16_mixed', 'quant.mode': 'fp8'},
             'fp8 matmuls: e4m3 operands, e5m2 gradients, current absmax scaling'),
-    'int8': ('bf16_mixed', dict(mode='int8'),
+    'int8': ({'precision': 'bf16_mixed', 'quant.mode': 'int8'},
              'int8 x int8 -> int32 matmuls (per-token and per-channel absmax scales)'),
-    'int4': ('bf16_mixed', dict(mode='int4'), 'int4 weights (per-channel absmax), bf16 activations'),
-    'llm_int8': ('bf16_mixed', dict(mode='llm_int8', threshold=6.0),
+    'int4': ({'precision': 'bf16_mixed', 'quant.mode': 'int4'},
+             'int4 weights (per-channel absmax), bf16 activations'),
+    'llm_int8': ({'precision': 'bf16_mixed', 'quant.mode': 'llm_int8', 'quant.threshold': 6.0},
                  'LLM.int8(): outlier columns in bf16, the rest int8'),
-    'adam8bit': (None, dict(adam_bits=8), 'AdamW with 8-bit block-wise quantized moments'),
+    'adam8bit': ({'quant.adam_bits': 8}, 'AdamW with 8-bit block-wise quantized moments'),
 }
 
 
 def recipe_config(recipe: str, preset: str | None) -> ml_collections.ConfigDict:
-  precision, quant, description = RECIPES[recipe]
-  config = default.get_config(preset)
-  config.name = f'{recipe}:{preset or "small"}'
-  config.description = description
-  if precision is not None:   # None: keep the preset's own precision
-    config.precision = precision
-  config.quant.update(quant)
-  return config
+  return default.variant(recipe, preset, *RECIPES[recipe])

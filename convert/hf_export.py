@@ -60,7 +60,7 @@ def _check_params(params: dict, links: list[Link], cfg: ModelConfig, arch: str) 
     name = '/'.join(map(str, path))
     if 'lora' in path:
       raise ConvertError(f'params hold a LoRA adapter ({name}); merge the adapters into the '
-                         f'kernels first (quant.lora.merge) and export the merged parameters')
+                         f'kernels first (models.lora.merge) and export the merged parameters')
     if any(path[:k] in by_path for k in range(1, len(path))):
       raise ConvertError(f'params {name} is part of a quantized kernel; export needs float kernels '
                          f'(dequantize, or export the float model it came from)')

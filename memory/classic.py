@@ -48,7 +48,7 @@ import dataclasses
 from memory.estimate import StepShape, activation_bytes, estimate
 from models.config import ModelConfig
 from quant.formats import format_rows
-from quant.precision import get_policy
+from precision.policy import get_policy
 
 GB = 1e9
 SEQ_LEN = 2048

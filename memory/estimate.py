@@ -15,7 +15,7 @@ Model state (the step's arguments, and the gradients, which live through the who
   copy beside the accumulator (in `temporaries`);
 - AdamW keeps two moments of the same size and dtype, split `fsdp` ways under ZeRO-1, 2 and 3;
   with 8-bit moments, one byte per value (padded to whole blocks) plus an fp32 scale per block for
-  every tensor of 4096 values or more (quant/adam8bit.py), split over the mesh axes of the
+  every tensor of 4096 values or more (optim/adam8bit.py), split over the mesh axes of the
   parameter's first sharded dimension where they divide its blocks and whole on every device where
   they do not (train/state.py); smaller tensors keep fp32 moments.
 
@@ -90,10 +90,10 @@ import jax.numpy as jnp
 from models.attention import FLASH_BLOCK
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
-from quant.precision import Policy
+from precision.policy import Policy
 
 FP32 = 4
-QUANTIZED_MIN_SIZE = 4096   # quant/adam8bit.py: smaller tensors keep fp32 moments
+QUANTIZED_MIN_SIZE = 4096   # optim/adam8bit.py: smaller tensors keep fp32 moments
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 (its implementations: models/attention.py), SwiGLU or GELU MLP (Llama by default; GPT-2 through
 the model options in models/config.py).
 
-Every block passes an `AdapterCall` (quant/lora.py) down to its dense layers: LoRA dropout keys and
+Every block passes an `AdapterCall` (models/dense.py) down to its dense layers: LoRA dropout keys and
 the reference-rows mask; None when the model has no adapters or runs without dropout."""
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import attend, cached_attention
 from models.config import ModelConfig
-from models.sharding import constrain
-from quant.dense import Dense, logical_param
-from quant.lora import AdapterCall
-from quant.precision import Policy
+from models.dense import AdapterCall, Dense, logical_param
+from models.hints import constrain
+from precision.policy import Policy
 
 
 class RMSNorm(nnx.Module):

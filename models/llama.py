@@ -2,7 +2,7 @@
 
 The blocks are created with `nnx.vmap` (parameters stacked on a leading `layers` axis) and run with
 `nnx.scan`, so XLA compiles one block whatever the depth; the remat policy wraps the scanned body.
-LoRA adapters (quant/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
+LoRA adapters (models/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,10 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import Block, make_norm, rope_tables
 from models.loss import token_losses
-from models.sharding import constrain
-from quant import lora
-from quant.dense import Dense, logical_param
-from quant.precision import Policy
+from models import lora
+from models.dense import AdapterCall, Dense, logical_param
+from models.hints import constrain
+from precision.policy import Policy
 
 _REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -84,7 +84,7 @@ class Transformer(nnx.Module):
       active_rows = jnp.arange(2 * rows) < rows
     x, cos, sin = self._embed(tokens, positions)
 
-    call = (lora.AdapterCall(None, active_rows)
+    call = (AdapterCall(None, active_rows)
             if dropout_key is not None or active_rows is not None else None)
     layer_keys = (jax.random.split(dropout_key, cfg.num_layers)
                   if dropout_key is not None else jnp.zeros((cfg.num_layers,)))
@@ -141,7 +141,7 @@ class Transformer(nnx.Module):
     x, cache = run_blocks(x, self.blocks, cache)
     return self._head(None)(self.final_norm(x)), cache
 
-  def _head(self, call: lora.AdapterCall | None):
+  def _head(self, call: AdapterCall | None):
     """hidden [batch, n, d_model] -> fp32 logits [batch, n, vocab], as a plain function of arrays
     (its weights are read here), so that a scan over chunks of positions can run it."""
     dtype = self.policy.compute_dtype

@@ -74,14 +74,17 @@ def layout_rules(zero_stage: int) -> LayoutRules:
   )
 
 
+def mesh_axes(part) -> tuple[str, ...]:
+  """One entry of a rule or a PartitionSpec (None, an axis name, or a tuple of names) as a tuple."""
+  return (part,) if isinstance(part, str) else tuple(part or ())
+
+
 def to_mesh_spec(logical_axes, rules) -> PartitionSpec:
   """('embed', 'mlp') -> PartitionSpec(...) under `rules`; a mesh axis is used at most once."""
   table = dict(rules)
   used, spec = set(), []
   for name in logical_axes:
-    target = table.get(name)
-    targets = (target,) if isinstance(target, str) else tuple(target or ())
-    targets = tuple(t for t in targets if t not in used)
+    targets = tuple(t for t in mesh_axes(table.get(name)) if t not in used)
     used.update(targets)
     spec.append(targets[0] if len(targets) == 1 else (targets or None))
   return PartitionSpec(*spec)

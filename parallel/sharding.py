@@ -5,7 +5,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallel.rules import to_mesh_spec
+from parallel.rules import mesh_axes, to_mesh_spec
+
+
+def shard_ways(mesh: Mesh, part) -> int:
+  """How many pieces one PartitionSpec entry cuts a dimension into on `mesh`."""
+  return math.prod(mesh.shape[a] for a in mesh_axes(part))
 
 
 def logical_axes(variable) -> tuple:
@@ -34,8 +39,8 @@ def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
   flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
   for (path, leaf), sharding, logical in zip(flat_shapes, flat_shardings, flat_axes):
     for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
-      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-      ways = math.prod(sharding.mesh.shape[a] for a in axes)
+      ways = shard_ways(sharding.mesh, axes)
+      axes = mesh_axes(axes)
       if size % ways:
         name = '/'.join(str(getattr(k, 'key', k)) for k in path)
         raise ValueError(f'{what} {name} dimension {dim} ({logical[dim]}) of size {size}, which the '
@@ -49,9 +54,7 @@ def fit_to_shapes(shapes, shardings):
   def fit(shape, sharding):
     spec = []
     for size, axes in zip(shape.shape, tuple(sharding.spec) + (None,) * len(shape.shape)):
-      names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-      ways = math.prod(sharding.mesh.shape[a] for a in names)
-      spec.append(axes if names and size % ways == 0 else None)
+      spec.append(axes if mesh_axes(axes) and size % shard_ways(sharding.mesh, axes) == 0 else None)
     return NamedSharding(sharding.mesh, PartitionSpec(*spec))
   return jax.tree.map(fit, shapes, shardings)
 

@@ -17,7 +17,7 @@ import ml_collections
 from memory.estimate import Frozen, StepShape, estimate
 from plan.cost import MFU_ASSUMED, Recipe, step_seconds
 from plan.target import Target
-from quant.precision import get_policy
+from precision.policy import get_policy
 from train import checks
 
 MARGIN = 0.10

@@ -6,7 +6,7 @@ Forward operands are e4m3 (3 fraction bits), the incoming gradient e5m2 (2 fract
 range). Each Dense keeps one history per operand, [3 (x, kernel, gradient), H], as a parameter.
 It cannot be an ordinary parameter: its new value is only known in the backward pass, where the
 gradient's absolute max is seen. So the backward pass returns (updated history - history) as its
-"gradient", and the optimizer adds it instead of running Adam on it (train/optimizer.py). Summed over
+"gradient", and the optimizer adds it instead of running Adam on it (optim/adamw.py). Summed over
 microbatches and divided like every gradient, the newest entry is the mean of the microbatches'
 maxima (and, where gradients are reduced per device first, of the devices' maxima).
 
@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from quant.contraction import dense_dims
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 X, KERNEL, GRAD = 0, 1, 2
@@ -53,12 +55,8 @@ def _push(row: jax.Array, amax: jax.Array) -> jax.Array:
   return jnp.concatenate([amax[None], row[:-1]])
 
 
-def _dims(x: jax.Array, n_in: int):
-  return ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-
-
 def _product(x, kernel, n_in):
-  return jax.lax.dot_general(x, kernel, _dims(x, n_in), preferred_element_type=jnp.float32
+  return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=jnp.float32
                              ).astype(x.dtype)
 
 

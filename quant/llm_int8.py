@@ -18,6 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from quant.contraction import dense_dims
+
 INT8_MAX = 127
 
 # Set by `recording_outliers()`: each traced product then reports (outlier columns, columns) from
@@ -109,9 +111,8 @@ def _forward(x, kernel, n_in, threshold, compute_dtype):
 
 def _plain(x, kernel, n_in, compute_dtype):
   """The unquantized product whose gradient the backward pass uses."""
-  contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
   y = jax.lax.dot_general(x.astype(compute_dtype), kernel.astype(compute_dtype),
-                          (contract, ((), ())), preferred_element_type=jnp.float32)
+                          dense_dims(x, n_in), preferred_element_type=jnp.float32)
   return y.astype(compute_dtype)
 
 

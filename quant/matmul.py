@@ -21,22 +21,19 @@ import jax.numpy as jnp
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 
 from quant import lsq
+from quant.contraction import dense_dims
 from quant.fp8 import fp8_delayed_dot
 from quant.llm_int8 import llm_int8_dot
 from quant.recipe import MatmulRecipe
 
 
-def _dims(x: jax.Array, n_in: int):
-  return ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
-
-
 def _plain(x, kernel, n_in, recipe, layer_state):
-  return jax.lax.dot_general(x, kernel, _dims(x, n_in))
+  return jax.lax.dot_general(x, kernel, dense_dims(x, n_in))
 
 
 def _qwix(config_for):
   def dot(x, kernel, n_in, recipe, layer_state):
-    return dot_general_qt(x, kernel, _dims(x, n_in), config_for(recipe))
+    return dot_general_qt(x, kernel, dense_dims(x, n_in), config_for(recipe))
   return dot
 
 

@@ -138,35 +138,3 @@ class QuantizedKernel(nnx.Module):
     parts = {name: getattr(self, name)[...] for name in self.part_names}
     one = lambda p: _FORMATS[self.fmt][1](p, self.shape, self.n_in).reshape(self.shape)
     return (jax.vmap(one)(parts) if self.stacked else one(parts)).astype(dtype)
-
-
-def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
-  """Replaces, in place, every float Dense kernel of `model` by its quantized storage."""
-  from quant.dense import Dense   # dense.py imports this module for QuantizedKernel
-  check_format(fmt)
-  denses = [m for _, m in nnx.iter_modules(model) if isinstance(m, Dense)
-            and not isinstance(m.kernel, QuantizedKernel)]
-  for dense in denses:
-    kernel = dense.kernel[...]
-    n_in = len(dense.in_features)
-    stacked = kernel.ndim > n_in + len(dense.out_features)
-    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked, axes=dense.kernel_axes())
-  return model
-
-
-def dequantize_weights(model: nnx.Module, dtype=jnp.float32) -> nnx.Module:
-  """The inverse, in place: every quantized kernel back to a float parameter (for export)."""
-  from quant.dense import Dense
-  for _, dense in nnx.iter_modules(model):
-    if isinstance(dense, Dense) and isinstance(dense.kernel, QuantizedKernel):
-      axes = dense.kernel.axes
-      dense.kernel = nnx.Param(dense.kernel.dequantize_all(dtype), out_sharding=axes,
-                               eager_sharding=False)
-  return model
-
-
-def stored_bytes(model: nnx.Module) -> dict[str, int]:
-  """Bytes held by the model: float parameters and quantized weights."""
-  def total(kind):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, kind)))
-  return {'params': total(nnx.Param), 'quantized': total(QuantizedWeight)}

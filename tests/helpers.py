@@ -5,7 +5,7 @@ from flax import nnx
 
 from configs import default
 from models import ModelConfig
-from quant.precision import get_policy
+from precision.policy import get_policy
 from train.state import build_model
 
 
@@ -13,11 +13,7 @@ def tiny_config(**overrides):
   """The tiny preset with `a.b=value` style overrides, e.g. tiny_config(**{'train.steps': 3})."""
   config = default.get_config('tiny')
   for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
+    default.override(config, key, value)
   return config
 
 

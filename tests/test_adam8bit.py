@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from quant.adam8bit import scale_by_adam_8bit
+from optim.adam8bit import scale_by_adam_8bit
 from quant.blockwise import dequantize_blockwise, dynamic_code, quantize_blockwise
 from tests.helpers import tiny_config
 from parallel.collectives import collective_stats

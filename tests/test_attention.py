@@ -16,7 +16,7 @@ from flax import nnx
 from configs import presets
 from models import ModelConfig, Transformer
 from models.attention import attend, flash_attention, refusal, resolve, xla_attention
-from quant.precision import get_policy
+from precision.policy import get_policy
 from tests.helpers import reordered_rtol
 
 SHAPES = [   # batch, length, heads, kv_heads, head_dim, flash block

@@ -10,7 +10,7 @@ import pytest
 from bench.memory_matrix import compare
 from memory.estimate import StepShape, estimate
 from models.config import ModelConfig
-from quant.precision import get_policy
+from precision.policy import get_policy
 
 TOLERANCE = 0.10
 

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from configs.layouts import layout_config
-from quant.adam8bit import is_quantized_moment
+from optim.adam8bit import is_quantized_moment
 from quant.blockwise import dequantize_blockwise
 from tests.helpers import tiny_config
 from tests.test_run import ROOT, losses_by_step, read_metrics, small_corpus
 from train import run
 from train.checkpoint import Checkpointer, CheckpointError
+from train.loop import NonFiniteError
 from train.workdir_lock import WorkdirBusy, workdir_lock
 
 
@@ -111,7 +112,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_leaving_finite_checkpoi
                           'train.learning_rate': 1e3, 'train.grad_clip': 1e9,
                           'train.max_bad_steps': 3, 'data.path': small_corpus(tmp_path)})
   workdir = tmp_path / 'w'
-  with pytest.raises(run.NonFiniteError, match=r'step (\d+): the loss or gradients were not finite '
+  with pytest.raises(NonFiniteError, match=r'step (\d+): the loss or gradients were not finite '
                      r'for 3 steps in a row \(train.max_bad_steps=3\)') as error:
     run.train_and_evaluate(config, str(workdir))
   stopped_at = int(str(error.value).split()[1].rstrip(':'))

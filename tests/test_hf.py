@@ -17,7 +17,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 
 from convert import ConvertError, HFCheckpoint, arch_of, export_hf
 from models import ModelConfig, Transformer
-from quant.precision import POLICIES
+from precision.policy import POLICIES
 
 VOCAB, SEQ = 96, 32
 TOLERANCE = 1e-4   # max |ours - hf| / max |hf|

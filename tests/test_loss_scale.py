@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling rules."""
 import jax.numpy as jnp
 
-from quant.loss_scale import all_finite, init_loss_scale, update_loss_scale
+from precision.loss_scale import all_finite, init_loss_scale, update_loss_scale
 
 
 def test_overflow_halves_and_resets_the_count():

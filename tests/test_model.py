@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from models.layers import Attention, apply_rope, rope_tables
-from quant.precision import get_policy
+from precision.policy import get_policy
 from tests.helpers import random_tokens, split_params, tiny_model
 
 

@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 
 from configs.recipes import RECIPES, recipe_config
-from quant import fp8, lsq, scaling
+from quant import fp8, lsq
 from quant.matmul import quantized_dot
 from quant.recipe import MatmulRecipe
+from tests import qwix_scaling as scaling
 from tests.helpers import reordered_rtol, tiny_config
 from tests.test_layouts import config_for, losses, train_from
 from train import checks, run

@@ -20,7 +20,7 @@ def small_corpus(tmp_path) -> str:
   folder = tmp_path / 'corpus'
   folder.mkdir()
   for name in ('models/layers.py', 'train/run.py', 'train/step.py', 'data/pipeline.py',
-               'data/corpus.py', 'quant/dense.py', 'memory/estimate.py', 'main.py'):
+               'data/corpus.py', 'models/dense.py', 'memory/estimate.py', 'main.py'):
     shutil.copy(os.path.join(ROOT, name), folder / name.replace('/', '_'))
   return str(folder / '*.py')
 

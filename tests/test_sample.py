@@ -9,7 +9,7 @@ from flax import nnx
 
 from configs import presets
 from models import ModelConfig, Transformer
-from quant.precision import get_policy
+from precision.policy import get_policy
 from tests.helpers import reordered_rtol
 from train.sample import generate, generate_batch
 

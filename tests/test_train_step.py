@@ -8,7 +8,7 @@ from parallel.mesh import make_mesh
 from parallel.rules import layout_rules
 from tests.helpers import random_tokens, reordered_rtol, tiny_config
 from train import checks
-from train.optimizer import make_optimizer
+from optim.adamw import make_optimizer
 from train.state import state_layout
 from train.step import cross_entropy, make_train_step
 
@@ -169,7 +169,7 @@ def test_data_parallel_steps_match_one_device(microbatches):
 
 
 def test_norm_scales_get_no_weight_decay():
-  from train.optimizer import weight_decay_mask
+  from optim.decay import weight_decay_mask
   layout, _ = make(tiny_config())
   mask = weight_decay_mask(layout.abstract['params'])
   assert mask['final_norm']['scale'] is False

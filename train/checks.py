@@ -8,12 +8,12 @@ from flax import nnx
 from models import ModelConfig, Transformer
 from models.attention import refusal as attention_refusal
 from parallel.rules import layout_rules
-from quant.adam8bit import BLOCK_SIZES
-from quant.lora import LoraSpec, check_targets
-from quant.precision import Policy, get_policy
+from optim.adam8bit import BLOCK_SIZES
+from models.lora import LoraSpec, check_targets
+from precision.policy import Policy, get_policy
 from quant.recipe import MatmulRecipe
 from quant.weights import WEIGHT_FORMATS
-from train.optimizer import ADAM_BITS
+from optim.adamw import ADAM_BITS
 from train.state import ModelSpec
 
 

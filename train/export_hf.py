@@ -9,11 +9,11 @@ import os
 import sys
 
 from absl import app, flags, logging
-from flax import nnx
+from flax import nnx, traverse_util
 
 from configs import default
-from quant.lora import merge
-from quant.weights import dequantize_weights
+from models.dense import dequantize_weights
+from models.lora import merge
 from train import checks
 from train.checkpoint import CheckpointError
 from train.ptq import restore_weights, run_config
@@ -38,18 +38,11 @@ def export_run(workdir: str, out_dir: str, dtype: str = 'float32', step: int | N
   config = run_config(workdir, default.get_config())
   params, frozen = restore_weights(workdir, config, step)
   weights = merged_params(config, params, frozen)
-  for name in ('amax_history', 'step_size'):   # training-only state, not model weights
-    _drop_named(weights, name)
+  training_only = ('amax_history', 'step_size')   # state of the training, not model weights
+  weights = traverse_util.unflatten_dict({
+      k: v for k, v in traverse_util.flatten_dict(weights).items() if not set(k) & set(training_only)})
   export_hf(weights, checks.model_config(config), out_dir, dtype)
   return out_dir
-
-
-def _drop_named(tree: dict, name: str) -> None:
-  for key in list(tree):
-    if key == name:
-      del tree[key]
-    elif isinstance(tree[key], dict):
-      _drop_named(tree[key], name)
 
 
 def main(argv):

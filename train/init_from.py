@@ -15,12 +15,12 @@ from typing import Callable
 
 import jax
 import orbax.checkpoint as ocp
-from flax import nnx
+from flax import nnx, traverse_util
 
 from models import ModelConfig
 from models.config import COMPUTE_FIELDS
+from models.lora import dense_paths
 from parallel.sharding import logical_axes_tree, shardings_for
-from quant.lora import dense_paths
 from quant.weights import quantize_parts
 from train.checkpoint import Checkpointer
 
@@ -112,14 +112,11 @@ def _run_source(workdir: str) -> Source:
   def read(path, abstract):
     node = check(path, abstract.shape)
     target = jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=abstract.sharding)
-    item = {'params': _nest(path, target)}
+    item = {'params': traverse_util.unflatten_dict({path: target})}
     restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True))
-    leaf = restored['params']
-    for key in path:
-      leaf = leaf[key]
-    return leaf.astype(abstract.dtype)
+    return traverse_util.flatten_dict(restored['params'])[path].astype(abstract.dtype)
 
   return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read, check)
 
@@ -134,33 +131,16 @@ def apply_model_fields(config, source: Source) -> None:
         config.model[key] = value
 
 
-def _nest(path: tuple, leaf) -> dict:
-  for key in reversed(path):
-    leaf = {key: leaf}
-  return leaf
-
-
-def _get(tree: dict, path: tuple):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-  for key in path[:-1]:
-    tree = tree[key]
-  tree[path[-1]] = value
+def _flat(tree: dict, whole=()) -> dict:
+  """Path tuple -> leaf, with the subtrees at the paths in `whole` (quantized kernels' parts)
+  kept as one leaf."""
+  return traverse_util.flatten_dict(tree, is_leaf=lambda path, _: path in whole)
 
 
 def _drop(tree: dict, paths: list[tuple]) -> dict:
   """A copy of `tree` without the leaves at `paths`."""
-  out = jax.tree.map(lambda x: x, tree)
-  for path in paths:
-    node = out
-    for key in path[:-1]:
-      node = node[key]
-    del node[path[-1]]
-  return out
+  paths = set(paths)
+  return traverse_util.unflatten_dict({k: v for k, v in _flat(tree).items() if k not in paths})
 
 
 @dataclasses.dataclass
@@ -181,18 +161,18 @@ def base_leaves(s) -> list[BaseLeaf]:
   float_shardings = shardings_for(logical_axes_tree(float_params), s.mesh, s.rules.params)
   shapes = nnx.to_pure_dict(float_params)
   kernels = {tuple(p.split('/')) + ('kernel',): d for p, d in dense_paths(float_model)}
+  placed = _flat(layout.abstract[where], kernels)
+  float_shardings = _flat(float_shardings)
   leaves = []
-  for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-    path = tuple(str(k.key) for k in path)
+  for path, shape in _flat(shapes).items():
     if path[-1] in ('amax_history', 'step_size') or 'lora' in path:
       continue
-    placed = _get(layout.abstract[where], path)
-    if isinstance(placed, dict):   # quantized parts: read in the compute dtype, then quantized
+    if isinstance(placed[path], dict):   # quantized parts: read in the compute dtype, then quantized
       abstract = jax.ShapeDtypeStruct(shape.shape, spec.policy.compute_dtype,
-                                      sharding=_get(float_shardings, path))
+                                      sharding=float_shardings[path])
       leaves.append(BaseLeaf(path, abstract, kernels[path]))
     else:
-      leaves.append(BaseLeaf(path, placed, None))
+      leaves.append(BaseLeaf(path, placed[path], None))
   return leaves
 
 
@@ -223,15 +203,18 @@ def initial_state(s, source: Source) -> dict:
   if where == 'params':
     rest_shardings['params'] = _drop(rest_shardings['params'], paths)
   state = jax.jit(rest, out_shardings=rest_shardings)()
-  if where == 'frozen':   # every frozen leaf is a base weight, filled below
-    state['frozen'] = jax.tree.map(lambda x: x, layout.abstract['frozen'])
+  quantized = {leaf.path for leaf in leaves if leaf.dense is not None}
+  # Every frozen leaf is a base weight, filled below; trainable ones are filled where they are base.
+  values = _flat(layout.abstract['frozen'] if where == 'frozen' else state['params'], quantized)
+  shardings = _flat(layout.shardings[where], quantized)
   for leaf in leaves:
     value = source.read(leaf.path, leaf.source)
     if leaf.dense is not None:   # QLoRA: quantized as soon as it is on the devices
       n_in = len(leaf.dense.in_features)
       stacked = value.ndim > n_in + len(leaf.dense.out_features)
       quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, n_in, stacked),
-                         out_shardings=_get(layout.shardings[where], leaf.path))
+                         out_shardings=shardings[leaf.path])
       value = quantize(value)
-    _set(state[where], leaf.path, value)
+    values[leaf.path] = value
+  state[where] = traverse_util.unflatten_dict(values)
   return state

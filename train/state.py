@@ -10,24 +10,25 @@ compiled) without allocating it; then `jax.jit(init, out_shardings=...)` creates
 in place.
 """
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from models import ModelConfig, Transformer
-from parallel.rules import LayoutRules
+from parallel.rules import LayoutRules, mesh_axes
 from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
-                               shardings_for)
-from quant.adam8bit import is_quantized_moment
+                               shard_ways, shardings_for)
+from optim.adam8bit import is_quantized_moment
+from optim.decay import layer_ndim
 from quant.fp8 import AmaxHistory
-from quant.lora import LoraSpec
-from quant.loss_scale import init_loss_scale
-from quant.precision import Policy
-from quant.weights import QuantizedWeight, quantize_weights
+from models.lora import LoraSpec
+from precision.loss_scale import init_loss_scale
+from precision.policy import Policy
+from models.dense import quantize_weights
+from quant.weights import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +67,13 @@ class ModelSpec:
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)))
 
   def _frozen_dtype(self, path, leaf):
-    names = [getattr(key, 'key', None) for key in path]
-    matrix = leaf.ndim - int('blocks' in names) >= 2
-    return leaf.astype(self.policy.compute_dtype) if matrix else leaf
+    return leaf.astype(self.policy.compute_dtype) if layer_ndim(path, leaf) >= 2 else leaf
 
 
 def _merge_trees(a: dict, b: dict) -> dict:
-  out = dict(a)
-  for key, value in b.items():
-    out[key] = _merge_trees(out[key], value) if key in out and isinstance(value, dict) else value
-  return out
+  """The union of two trees of disjoint leaves."""
+  flat = traverse_util.flatten_dict
+  return traverse_util.unflatten_dict({**flat(a), **flat(b)})
 
 
 @dataclasses.dataclass
@@ -88,19 +86,13 @@ class StateLayout:
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
 
 
-def _mesh_axes(part) -> tuple[str, ...]:
-  return (part,) if isinstance(part, str) else tuple(part or ())
-
-
 def block_axis(sharding) -> int:
   """The dimension an 8-bit moment is blocked from: its parameter's first sharded dimension."""
-  mesh = sharding.mesh
-  return next((i for i, part in enumerate(sharding.spec)
-               if math.prod(mesh.shape[a] for a in _mesh_axes(part)) > 1), 0)
+  return next((i for i, part in enumerate(sharding.spec) if shard_ways(sharding.mesh, part) > 1), 0)
 
 
 def moment_block_axes(spec: ModelSpec, mesh: Mesh, rules: LayoutRules):
-  """Per parameter, the dimension its 8-bit moments are blocked from (quant/adam8bit.py)."""
+  """Per parameter, the dimension its 8-bit moments are blocked from (optim/adam8bit.py)."""
   abstract_model = nnx.eval_shape(spec.build)
   axes = logical_axes_tree(nnx.split(abstract_model, spec.trainable, ...)[1])
   return jax.tree.map(block_axis, shardings_for(axes, mesh, rules.optimizer))
@@ -112,10 +104,9 @@ def _moment_sharding(leaf, sharding, mesh: Mesh):
   dimension's mesh axes, where they divide."""
   if not is_quantized_moment(leaf):
     return sharding
-  axes = _mesh_axes(sharding.spec[block_axis(sharding)]) if sharding.spec else ()
-  ways = math.prod(mesh.shape[a] for a in axes)
+  axes = mesh_axes(sharding.spec[block_axis(sharding)]) if sharding.spec else ()
   blocks = leaf['scale'].shape[0]
-  spec = jax.sharding.PartitionSpec(axes if axes and blocks % ways == 0 else None)
+  spec = jax.sharding.PartitionSpec(axes if axes and blocks % shard_ways(mesh, axes) == 0 else None)
   return {'codes': jax.sharding.NamedSharding(mesh, spec),
           'scale': jax.sharding.NamedSharding(mesh, spec)}
 
@@ -178,16 +169,13 @@ def frozen_shardings(abstract_rest, frozen_shapes, mesh: Mesh, rules: LayoutRule
 
 
 def _select(tree: dict, like: dict) -> dict:
-  return {k: _select(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
+  """The leaves of `tree` at the paths of `like`'s leaves."""
+  flat = traverse_util.flatten_dict(tree)
+  return traverse_util.unflatten_dict({k: flat[k] for k in traverse_util.flatten_dict(like)})
 
 
 def _exclude(tree: dict, like: dict) -> dict:
-  out = {}
-  for k, v in tree.items():
-    if k not in like:
-      out[k] = v
-    elif isinstance(like[k], dict):
-      rest = _exclude(v, like[k])
-      if rest:
-        out[k] = rest
-  return out
+  """The leaves of `tree` at the paths `like` has no leaf at."""
+  drop = traverse_util.flatten_dict(like)
+  return traverse_util.unflatten_dict(
+      {k: v for k, v in traverse_util.flatten_dict(tree).items() if k not in drop})

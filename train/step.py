@@ -13,9 +13,9 @@ import optax
 from flax import linen, nnx
 from jax.sharding import PartitionSpec
 
-from models.sharding import constrain
-from quant.loss_scale import MIN_LOSS_SCALE, update_loss_scale
-from quant.precision import Policy
+from models.hints import constrain
+from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
+from precision.policy import Policy
 
 
 def cross_entropy(graphdef, params, frozen, batch, dropout_key=None) -> jax.Array:

@@ -5,19 +5,33 @@ the product runs in the policy's compute dtype, through the quantized matmul its
 (quant/matmul.py). Quantized modes plug in here, not in the model.
 The kernel may have several input and output dimensions (e.g. `[embed] -> [heads, head_dim]`), so
 tensor parallelism can split heads without reshapes in the model.
-A layer may carry a bias (GPT-2) and LoRA adapters (quant/lora.py); its kernel may be stored
+A layer may carry a bias (GPT-2) and LoRA adapters (models/lora.py); its kernel may be stored
 quantized and frozen (quant/weights.py: QLoRA's base, or a post-training quantized model).
 """
+import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from precision.policy import Policy
 from quant import fp8, lsq
-from quant.lora import AdapterCall
 from quant.matmul import quantized_dot
-from quant.precision import Policy
-from quant.weights import QuantizedKernel
+from quant.weights import QuantizedKernel, QuantizedWeight, check_format
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdapterCall:
+  """What one forward pass tells the adapters: a dropout key (None: no dropout, as in evaluation)
+  and, for a pass with reference rows, a [batch] mask that is 1 where the adapters are on."""
+  dropout_key: jax.Array | None = None
+  active_rows: jax.Array | None = None
+
+  def for_layer(self, key: jax.Array | None) -> 'AdapterCall':
+    return dataclasses.replace(self, dropout_key=key)
+
 
 
 def logical_param(value: jax.Array, axes: Sequence[str]) -> nnx.Param:
@@ -47,7 +61,7 @@ class Dense(nnx.Module):
     n_in = len(self.in_features)
     self.bias = (logical_param(jax.numpy.zeros(self.out_features, policy.param_dtype), axes[n_in:])
                  if use_bias else None)
-    self.lora = nnx.data(None)   # LoRA adapters, attached by path while the model is built (quant/lora.py)
+    self.lora = nnx.data(None)   # LoRA adapters, attached by path while the model is built (models/lora.py)
     # LSQ: one learned int4 step size per output channel, sharded like the kernel's outputs.
     self.step_size = (logical_param(lsq.initial_step_size(kernel, n_in, bits=4), axes[n_in:])
                       if policy.matmul.learned_scale else None)
@@ -75,3 +89,33 @@ class Dense(nnx.Module):
     if self.lora is not None:
       y = y + self.lora(x, adapters)
     return y
+
+
+def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
+  """Replaces, in place, every float Dense kernel of `model` by its quantized storage."""
+  check_format(fmt)
+  denses = [m for _, m in nnx.iter_modules(model) if isinstance(m, Dense)
+            and not isinstance(m.kernel, QuantizedKernel)]
+  for dense in denses:
+    kernel = dense.kernel[...]
+    n_in = len(dense.in_features)
+    stacked = kernel.ndim > n_in + len(dense.out_features)
+    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked, axes=dense.kernel_axes())
+  return model
+
+
+def dequantize_weights(model: nnx.Module, dtype=jnp.float32) -> nnx.Module:
+  """The inverse, in place: every quantized kernel back to a float parameter (for export)."""
+  for _, dense in nnx.iter_modules(model):
+    if isinstance(dense, Dense) and isinstance(dense.kernel, QuantizedKernel):
+      axes = dense.kernel.axes
+      dense.kernel = nnx.Param(dense.kernel.dequantize_all(dtype), out_sharding=axes,
+                               eager_sharding=False)
+  return model
+
+
+def stored_bytes(model: nnx.Module) -> dict[str, int]:
+  """Bytes held by the model: float parameters and quantized weights."""
+  def total(kind):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, kind)))
+  return {'params': total(nnx.Param), 'quantized': total(QuantizedWeight)}

@@ -1,9 +1,10 @@
 """AdamW with linear warmup, cosine decay and global-norm clipping (optax); the moments in fp32
-(as the parameters' dtype) or in 8 bits (quant/adam8bit.py); fp8 amax histories beside it."""
+(as the parameters' dtype) or in 8 bits (optim/adam8bit.py); fp8 amax histories beside it."""
 import jax
 import optax
 
-from quant.adam8bit import adamw_8bit
+from optim.adam8bit import adamw_8bit
+from optim.decay import weight_decay_mask
 from quant.fp8 import is_history
 
 ADAM_BITS = (32, 8)
@@ -19,20 +20,6 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
       decay_steps=max(train_cfg.steps, warmup + 1),
       end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
   )
-
-
-def weight_decay_mask(params):
-  """Decay matrices (projections, embeddings); leave vectors (norm scales) alone.
-
-  Stacked layers add a leading `layers` dimension, so a norm scale inside the scanned stack is 2-D:
-  what counts is the rank of one layer's tensor, read from the path ('blocks' = stacked). Learned
-  quantization step sizes are never decayed."""
-  def decays(path, leaf):
-    names = [getattr(key, 'key', None) for key in path]
-    if names[-1] == 'step_size':   # learned quantization step sizes (LSQ) are not weights
-      return False
-    return leaf.ndim - int('blocks' in names) >= 2
-  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,

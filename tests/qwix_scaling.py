@@ -1,4 +1,5 @@
-"""Symmetric absmax scaling at each granularity, and the error each format promises.
+"""Symmetric absmax scaling at each granularity, and the error each format promises: what the
+tests hold Qwix's quantization to (test support, not used by the project itself).
 
 Granularity says which values share one scale. For a matrix [rows, columns] (a weight is
 [inputs, outputs], an activation [tokens, features]):

@@ -11,7 +11,8 @@ under `nnx.scan`). A frozen base kernel may be stored quantized (QLoRA); the ada
 
 One forward pass can return the active logits and the reference (adapters off) logits together:
 the batch is run twice in one stacked batch, with the adapter output masked to zero on the second
-half (`AdapterCall.active_rows`), so no second copy of the model exists (what RLHF's KL term needs).
+half (`AdapterCall.active_rows`, models/dense.py), so no second copy of the model exists (what
+RLHF's KL term needs).
 """
 import dataclasses
 import math
@@ -21,6 +22,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from models.dense import AdapterCall, Dense
+from quant.contraction import dense_dims
+from quant.weights import QuantizedKernel
 
 DEFAULT_TARGETS = '.*attention/(query|value)'   # the LoRA paper's choice: W_q and W_v
 
@@ -52,18 +57,6 @@ class LoraSpec:
       raise ValueError(f'lora.targets={self.targets!r} is not a regular expression ({e})') from None
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AdapterCall:
-  """What one forward pass tells the adapters: a dropout key (None: no dropout, as in evaluation)
-  and, for a pass with reference rows, a [batch] mask that is 1 where the adapters are on."""
-  dropout_key: jax.Array | None = None
-  active_rows: jax.Array | None = None
-
-  def for_layer(self, key: jax.Array | None) -> 'AdapterCall':
-    return dataclasses.replace(self, dropout_key=key)
-
-
 class LoRA(nnx.Module):
   """The low-rank update of one dense layer, with the layer's logical axes on A's inputs and B's
   outputs (so tensor and fully-sharded layouts split the adapters like the kernel)."""
@@ -91,8 +84,7 @@ class LoRA(nnx.Module):
                                   1 - self.dropout, x.shape)
       x = jnp.where(keep, x / (1 - self.dropout), 0).astype(dtype)
     n_in = self.n_in
-    h = jax.lax.dot_general(x, self.a[...].astype(dtype),
-                            ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    h = jax.lax.dot_general(x, self.a[...].astype(dtype), dense_dims(x, n_in))
     delta = jnp.tensordot(h, self.b[...].astype(dtype), axes=1) * jnp.asarray(self.scaling, dtype)
     if call is not None and call.active_rows is not None:
       rows = call.active_rows.astype(dtype).reshape((-1,) + (1,) * (delta.ndim - 1))
@@ -112,7 +104,6 @@ class LoRA(nnx.Module):
 
 def dense_paths(module: nnx.Module, prefix: str = '') -> list[tuple[str, nnx.Module]]:
   """(path, Dense) for every dense layer under `module`, paths joined with '/'."""
-  from quant.dense import Dense   # dense.py imports this module
   out = []
   for path, sub in nnx.iter_modules(module):
     if isinstance(sub, Dense):
@@ -144,8 +135,6 @@ def check_targets(module: nnx.Module, spec: LoraSpec) -> list[str]:
 def merge(module: nnx.Module) -> nnx.Module:
   """Folds every adapter into its kernel (a quantized kernel is dequantized first) and removes
   it, in place: the merged model has the adapted model's outputs and no adapters."""
-  from quant.dense import Dense
-  from quant.weights import QuantizedKernel
   for _, dense in nnx.iter_modules(module):
     if not isinstance(dense, Dense) or dense.lora is None:
       continue

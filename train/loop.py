@@ -1,0 +1,155 @@
+"""The training loop: from a state at step `start` to `train.steps`, logging, evaluating and
+checkpointing as it goes, stopping cleanly (with a checkpoint) when preempted, and refusing to
+go on after too many steps whose loss or gradients were not finite."""
+import dataclasses
+import time
+
+import jax
+from tqdm import tqdm
+
+from optim.adamw import learning_rate_schedule
+from memory.compiled import peak_device_memory
+from precision.loss_scale import all_finite
+from train.metrics import MetricsWriter
+from train.preemption import StopRequests
+
+
+def is_main() -> bool:
+  return jax.process_index() == 0
+
+
+class NonFiniteError(RuntimeError):
+  """The loss or gradients stayed non-finite for train.max_bad_steps steps in a row."""
+
+
+@dataclasses.dataclass
+class LoopEnd:
+  state: dict
+  last_eval: dict      # the last evaluation's figures
+  preempted: bool      # stopped by a signal, after saving
+
+
+def train_loop(s, compiled, state: dict, start: int, batches, global_batch, checkpoints, meta: dict,
+               evaluator, workdir: str) -> LoopEnd:
+  """Runs steps start + 1 .. train.steps of the compiled step `compiled` (s: run.Setup).
+  `global_batch` turns a process's rows into the global batch; `evaluator(state, step)` returns
+  the validation figures; `meta` goes into every checkpoint beside the state."""
+  train = s.config.train
+  metrics = MetricsWriter(workdir, enabled=is_main())
+  learning_rate = learning_rate_schedule(train)
+  with s.context():
+    params_finite = jax.jit(all_finite)
+  last_eval: dict = {}
+
+  def save(step: int) -> None:
+    # Never a non-finite state (the step skips bad updates, so this is only a last guard).
+    if not bool(params_finite(state['params'])):
+      raise NonFiniteError(f'step {step}: the parameters hold an inf or nan, so they were not saved')
+    checkpoints.save(step, state, batches.get_state(), meta)
+    stops.saved()
+
+  if start == 0:   # the untrained model's score, the baseline every later evaluation beats
+    last_eval = evaluator(state, 0)
+    metrics.write(0, last_eval)
+  bar = tqdm(total=train.steps, initial=start, disable=not is_main(), unit='step',
+             dynamic_ncols=True)
+  watch = NonFiniteWatch(train.max_bad_steps)
+  stops = StopRequests(train.checkpoint_minutes, train.log_every)
+  # tokens/s counts step time only: evaluation and checkpoint saves are timed and left out.
+  interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+  in_flight = None
+  try:
+    with stops:
+      for step in range(start + 1, train.steps + 1):
+        batch = global_batch(next(batches))
+        state, step_metrics = compiled(state, batch)
+        # The previous step's verdict is read while this one runs: the check costs no stall.
+        if in_flight is not None:
+          watch.check(*in_flight)
+        in_flight = (step, step_metrics)
+        interval_steps += 1
+        last = step == train.steps
+        evaluating = step % train.eval_every == 0 or last
+        if evaluating or step % train.log_every == 0:
+          values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
+          watch.count(step, values)
+          elapsed = time.perf_counter() - interval_start - paused
+          row = {k: float(v) for k, v in values.items()}
+          row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
+          row['learning_rate'] = float(learning_rate(step - 1))
+          row['skipped_steps'] = watch.skipped
+          bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
+          interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+          if evaluating:
+            last_eval = evaluator(state, step)
+            row.update(last_eval)
+          if last and peak_device_memory() is not None:
+            row['peak_device_bytes'] = peak_device_memory()
+          metrics.write(step, row)
+          watch.stop_if_too_many()
+        bar.update(1)
+        stopping = stops.stop_now(step)
+        if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
+          save_start = time.perf_counter()
+          watch.check(*in_flight)
+          save(step)
+          paused += time.perf_counter() - save_start
+        if stopping:
+          checkpoints.wait()
+          if is_main():
+            tqdm.write(f'preempted   {stops.signal_name} at step {step}: saved a checkpoint at '
+                       f'step {step} in {checkpoints.directory}; the same command resumes from it')
+          return LoopEnd(state, last_eval, preempted=True)
+        if evaluating:   # the evaluation (and any save) just done stays out of the next interval
+          interval_start, paused = time.perf_counter(), 0.0
+      watch.check(*in_flight)
+  except NonFiniteError as e:
+    checkpoints.wait()
+    newest = checkpoints.latest_step()
+    raise NonFiniteError(f'{e}; ' + ('no checkpoint was written' if newest is None else
+                         f'the newest checkpoint, step {newest}, is where a rerun resumes')) from None
+  finally:
+    bar.close()
+    checkpoints.wait()
+    checkpoints.close()
+    metrics.close()
+  return LoopEnd(state, last_eval, preempted=False)
+
+
+class NonFiniteWatch:
+  """Counts the steps whose update was skipped for a non-finite loss or gradient; raises
+  NonFiniteError after `max_bad_steps` in a row. Each step is judged once, whenever its metrics
+  are first read."""
+
+  def __init__(self, max_bad_steps: int):
+    self.max_bad_steps = max_bad_steps
+    self.skipped = 0
+    self._in_a_row = 0
+    self._judged = 0
+
+  def check(self, step: int, metrics: dict) -> None:
+    self.count(step, metrics)
+    self.stop_if_too_many()
+
+  def count(self, step: int, metrics: dict) -> None:
+    if step <= self._judged:
+      return
+    self._judged = step
+    if not bool(metrics['nonfinite']):
+      self._in_a_row = 0
+      return
+    self.skipped += 1
+    self._in_a_row += 1
+    if is_main():
+      tqdm.write(f'skipped     step {step}: loss {float(metrics["loss"]):.4g}, gradient norm '
+                 f'{float(metrics["grad_norm"]):.4g}; the update was not applied '
+                 f'({self._in_a_row} in a row, train.max_bad_steps={self.max_bad_steps})')
+
+  def stop_if_too_many(self) -> None:
+    if self._in_a_row >= self.max_bad_steps:
+      step = self._judged
+      raise NonFiniteError(
+          f'step {step}: the loss or gradients were not finite for {self._in_a_row} steps in a row '
+          f'(train.max_bad_steps={self.max_bad_steps}); every such update was skipped, so the '
+          f'state is still that of step {step - self._in_a_row}. Lower train.learning_rate, raise '
+          f'train.warmup_steps or check the data')

@@ -1,0 +1,49 @@
+"""The run's opening summary: config, devices, model, layout, memory (compiled and estimated) and
+collectives per step, printed once (main process) before the first step."""
+import jax
+
+from memory.compiled import format_bytes
+from quant.recipe import describe as describe_recipe
+
+
+def print_summary(s, memory: dict) -> None:
+  if jax.process_index() != 0:
+    return
+  compiled, estimated = memory['per_device_bytes'], memory['estimate_bytes']
+  devices = jax.devices()
+  print(f'config      {s.config.name}  (precision {s.policy.name}: {s.policy.description})')
+  quant = s.config.quant
+  print(f'quant       matmuls {describe_recipe(s.policy.matmul)}; Adam moments {quant.adam_bits}-bit')
+  print(f'devices     {len(devices)} x {devices[0].platform} in {jax.process_count()} process(es); '
+        f'mesh {dict(s.mesh.shape)}')
+  print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
+        f'd_model {s.model.d_model}, remat {s.model.remat}')
+  adapters = s.spec.adapters
+  if adapters is not None:
+    storage = s.spec.base_format or f'{jax.numpy.dtype(s.policy.compute_dtype).name} matrices'
+    print(f'lora        rank {adapters.rank}, alpha {adapters.alpha:g}, dropout {adapters.dropout:g} '
+          f'on {adapters.targets!r}; trainable {memory["trainable_params"] / 1e6:.3f} M of '
+          f'{s.model.num_params / 1e6:.2f} M parameters; frozen base {format_bytes(memory["frozen_bytes"])}'
+          f' ({storage})')
+    if not s.config.init_from:
+      print('note        no init_from: the adapters adapt a randomly initialised base; fine-tune '
+            'a checkpoint with --config.init_from=hf:DIR or run:DIR')
+  print(f'layout      zero_stage {s.config.parallel.zero_stage}; batch {s.config.train.batch_size} '
+        f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
+  b = format_bytes
+  print(f'memory      per device, compiled: {b(compiled["total"])} = arguments '
+        f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
+        f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
+  print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
+        f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
+        f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
+        + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
+  if s.mesh.devices.flat[0].platform == 'cpu':
+    print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (without '
+          f'XLA:CPU\'s fp32 copies of bf16 matmul operands)')
+  active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
+  print('collectives per step per device: ' + ('; '.join(
+      f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
+  if s.config.parallel.zero_stage and s.mesh.shape['fsdp'] == 1:
+    print(f'note        zero_stage {s.config.parallel.zero_stage} shards over the fsdp axis, which '
+          f'has size 1 here: nothing is sharded (set --config.mesh.fsdp)')
