@@ -6,7 +6,9 @@ the product runs in the policy's compute dtype, through the quantized matmul its
 The kernel may have several input and output dimensions (e.g. `[embed] -> [heads, head_dim]`), so
 tensor parallelism can split heads without reshapes in the model.
 A layer may carry a bias (GPT-2) and LoRA adapters (models/lora.py); its kernel may be stored
-quantized and frozen (quant/weights.py: QLoRA's base, or a post-training quantized model).
+quantized and frozen (quant/weights.py: QLoRA's base, or a post-training quantized model):
+`quantize_weights` / `dequantize_weights` below swap every kernel of a model between the two.
+`AdapterCall` is what a forward pass tells the adapter hook (dropout key, reference rows).
 """
 import dataclasses
 from typing import Sequence

@@ -41,7 +41,7 @@ REPLICATED = TENSOR_PARALLEL
 SHARDED = (('embed', 'fsdp'),) + TENSOR_PARALLEL
 
 
-# Activations inside a per-device region (shard_map over the data-parallel axes): the batch there
+# Activations inside a per-device region (a vmap over the data-parallel devices): the batch there
 # is already one device's rows.
 PER_DEVICE_ACTIVATIONS = TENSOR_PARALLEL
 DATA_PARALLEL_AXES = ('data', 'fsdp')

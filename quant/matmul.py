@@ -18,13 +18,19 @@ qwix==0.1.8 in requirements.txt) with a config built from the recipe.
 """
 import jax
 import jax.numpy as jnp
-from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 
 from quant import lsq
 from quant.contraction import dense_dims
 from quant.fp8 import fp8_delayed_dot
 from quant.llm_int8 import llm_int8_dot
 from quant.recipe import MatmulRecipe
+
+try:   # the one private import of the project (see the docstring), pinned and refused in one line
+  from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
+except ImportError as e:
+  raise ImportError(f'quant/matmul.py calls Qwix 0.1.8\'s quantized-training dot_general '
+                    f'(qwix._src.core.dot_general_qt), which the installed qwix does not have ({e}); '
+                    f'install qwix==0.1.8 as requirements.txt pins it') from None
 
 
 def _plain(x, kernel, n_in, recipe, layer_state):

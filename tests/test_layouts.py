@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from configs import default
 from configs.layouts import LAYOUTS, layout_config
 from tests.helpers import random_tokens, reordered_rtol
 from train import checks, run
@@ -17,11 +18,7 @@ SHAPE = {'model.d_model': 64, 'model.num_heads': 4, 'model.num_kv_heads': 4, 'mo
 def config_for(layout: str, **overrides):
   config = layout_config(layout, 'tiny')
   for key, value in {**SHAPE, **overrides}.items():
-    node = config
-    *parents, leaf = key.split('.')
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
+    default.override(config, key, value)
   return config
 
 

@@ -74,14 +74,13 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
     layout = state_layout(spec, tx, mesh, rules)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
-  # Per-device accumulation needs more than one data-parallel device (with one there is nothing to
-  # reduce, and XLA refuses the all-reduce of a manual shard_map over an axis of size 1 beside a
-  # tensor axis).
-  local = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
-           if rules.grads_replicated and data_parallel_size(mesh) > 1 else None)
+  # Per-device accumulation (train/step.py) where gradients are replicated over more than one
+  # data-parallel device: with one there is nothing to reduce.
+  per_device = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
+                if rules.grads_replicated and data_parallel_size(mesh) > 1 else None)
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
-                            layout.grad_shardings, local,
+                            layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}

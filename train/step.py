@@ -1,9 +1,11 @@
 """One optimizer step: loss, gradients accumulated over microbatches, loss scaling, update.
 
 Reads top to bottom: split the batch into microbatches, accumulate gradients in the master
-weights' dtype, (fp16) unscale, apply AdamW unless the loss or a gradient is not finite (an fp16
-overflow, or a run that diverged: the update is skipped on the device), (fp16) adjust the scale. Gradients are taken of the trainable parameters only; a frozen base (LoRA)
-is an input of the loss and passes through the step unchanged.
+weights' dtype (one scan; where gradients are replicated, per device, reduced once), (fp16)
+unscale, apply AdamW unless the loss or a gradient is not finite (an fp16 overflow, or a run that
+diverged: the update is skipped on the device), (fp16) adjust the scale. Gradients are taken of the
+trainable parameters only; a frozen base (LoRA) is an input of the loss and passes through the
+step unchanged.
 """
 import math
 
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen, nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
@@ -35,42 +37,34 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
-                    grad_shardings=None, local_accumulation=None, dropout_seed: int | None = None):
+                    grad_shardings=None, per_device=None, dropout_seed: int | None = None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
 
-  `local_accumulation` = (mesh, data-parallel axes, per-device activation rules), for layouts whose
-  gradients are replicated over the data-parallel axes (DDP, ZeRO-1): each device sums its own
-  microbatches' gradients and they are reduced once per step, not once per microbatch (what
-  PyTorch DDP's no_sync does).
+  `per_device` = (mesh, data-parallel axes, per-device activation rules), for layouts whose
+  gradients are replicated over the data-parallel axes (DDP, ZeRO-1) and several microbatches:
+  each microbatch's gradient is taken per device (vmapped over the devices' rows, the mapped axis
+  laid on the data-parallel mesh axes) and summed there, so gradients are reduced once per step,
+  not once per microbatch (what PyTorch DDP's no_sync does).
 
-  `dropout_seed`: LoRA dropout, with a key per step and microbatch drawn from it (None: no dropout)."""
+  `dropout_seed`: LoRA dropout, with a key per step, microbatch and device drawn from it (None: no
+  dropout)."""
+  per_device = per_device if microbatches > 1 else None
 
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-  def accumulate_all(params, frozen, batch, scale, step_key, constrain_grads: bool):
-    """Sum of the (scaled) gradients and of the losses over the microbatches of `batch`."""
-    def scaled_loss(p, microbatch, key):
-      loss = cross_entropy(graphdef, p, frozen, microbatch, key)
-      return loss * scale, loss
-
-    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-    keep = place if constrain_grads else (lambda tree: tree)
-
-    def accumulate(carry, inputs):
-      microbatch, index = inputs
-      grad_sum, loss_sum = carry
-      key = None if step_key is None else jax.random.fold_in(step_key, index)
-      (_, loss), grads = grad_fn(params, microbatch, key)
-      return (keep(jax.tree.map(jnp.add, grad_sum, keep(grads))), loss_sum + loss), None
-
-    zeros = keep(jax.tree.map(jnp.zeros_like, params))
-    (grad_sum, loss_sum), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.zeros((), jnp.float32)),
-        (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
-    return grad_sum, loss_sum
+  if per_device is not None:
+    mesh, axes, device_rules = per_device
+    ways = math.prod(mesh.shape[a] for a in axes)
+    # The accumulator holds one partial sum per device: [ways, *gradient], split over `axes`.
+    partial_shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, PartitionSpec(axes, *s.spec)), grad_shardings)
+    keep = lambda grads: jax.lax.with_sharding_constraint(grads, partial_shardings)
+    lead = (ways,)   # the accumulators' leading per-device axis
+  else:
+    ways, keep, lead = 1, place, ()
 
   def train_step(state: dict, batch: dict):
     params, frozen = state['params'], state.get('frozen', {})
@@ -78,27 +72,39 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     step_key = (None if dropout_seed is None else
                 jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state['step']))
 
-    if local_accumulation is None or microbatches == 1:
-      grad_sum, loss_sum = accumulate_all(params, frozen, batch, scale, step_key,
-                                          constrain_grads=True)
-      ways = 1
-    else:
-      mesh, axes, rules = local_accumulation
+    def scaled_loss(p, microbatch, key):
+      loss = cross_entropy(graphdef, p, frozen, microbatch, key)
+      return loss * scale, loss
 
-      def per_device(params, frozen, local_batch, scale, step_key):
-        if step_key is not None:   # each device's rows get their own dropout masks
-          step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axes))
-        with linen.logical_axis_rules(rules):   # inside, the batch is this device's own rows
-          sums = accumulate_all(params, frozen, local_batch, scale, step_key,
-                                constrain_grads=False)
-        return jax.lax.psum(sums, axes)
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
-      whole = PartitionSpec()
-      grad_sum, loss_sum = jax.shard_map(
-          per_device, mesh=mesh, in_specs=(whole, whole, PartitionSpec(axes), whole, whole),
-          out_specs=whole, axis_names=frozenset(axes), check_vma=False)(
-              params, frozen, batch, scale, step_key)
-      ways = math.prod(mesh.shape[a] for a in axes)
+    def microbatch_grads(microbatch, index):
+      """(gradient, loss) of one microbatch; per device, [ways, ...] partial sums of both."""
+      if per_device is None:
+        key = None if step_key is None else jax.random.fold_in(step_key, index)
+        (_, loss), grads = grad_fn(params, microbatch, key)
+        return grads, loss
+      rows = jax.tree.map(lambda x: x.reshape(ways, x.shape[0] // ways, *x.shape[1:]), microbatch)
+      # Each device's rows get their own dropout masks.
+      keys = (None if step_key is None else jax.vmap(
+          lambda d: jax.random.fold_in(jax.random.fold_in(step_key, d), index))(jnp.arange(ways)))
+      with linen.logical_axis_rules(device_rules):   # inside, the batch is one device's rows
+        (_, losses), grads = jax.vmap(grad_fn, in_axes=(None, 0, None if keys is None else 0),
+                                      spmd_axis_name=axes)(params, rows, keys)
+      return grads, losses
+
+    def accumulate(carry, inputs):
+      grad_sum, loss_sum = carry
+      grads, loss = microbatch_grads(*inputs)
+      return (keep(jax.tree.map(jnp.add, grad_sum, keep(grads))), loss_sum + loss), None
+
+    zeros = keep(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params))
+    (grad_sum, loss_sum), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.zeros(lead, jnp.float32)),
+        (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
+    if per_device is not None:   # the one data-parallel reduction of the step
+      grad_sum = place(jax.tree.map(lambda g: g.sum(0), grad_sum))
+      loss_sum = loss_sum.sum()
     # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
     # Adam's moments), and the new state could not reuse the donated buffers.
     grads = jax.tree.map(lambda g: (g / (microbatches * ways * scale)).astype(g.dtype), grad_sum)

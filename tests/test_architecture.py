@@ -1,0 +1,104 @@
+"""The import graph of the project's code (ARCHITECTURE.md): no circles, and each folder imports
+only the folders below it. Imports inside functions count: a circle hidden in a function is still
+a circle."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Folder (or top-level module) -> the project folders it may import, besides itself.
+ALLOWED = {
+    'configs': set(),
+    'quant': set(),
+    'precision': {'quant'},
+    'models': {'precision', 'quant'},
+    'optim': {'quant'},
+    'parallel': set(),
+    'data': set(),
+    'memory': {'models', 'precision', 'quant', 'parallel'},
+    'convert': {'models'},
+    'train': {'configs', 'quant', 'precision', 'models', 'optim', 'parallel', 'data', 'memory',
+              'convert'},
+    'plan': {'configs', 'quant', 'precision', 'models', 'parallel', 'memory', 'train'},
+}
+TOP = ('bench', 'main', 'sweep', 'sweeps')   # drivers: may import everything
+SKIP = ('tests', 'runs', '.git', '__pycache__', '.pytest_cache', '.ci')
+
+
+def project_modules() -> dict[str, str]:
+  """Dotted module name -> file, for every Python file outside the tests."""
+  found = {}
+  for folder, dirs, files in os.walk(ROOT):
+    dirs[:] = [d for d in dirs if d not in SKIP]
+    for name in files:
+      if name.endswith('.py'):
+        path = os.path.join(folder, name)
+        module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, '.')
+        found[module.removesuffix('.__init__')] = path
+  return found
+
+
+def imports(path: str, modules: dict) -> set[str]:
+  """The project modules a file imports (a `from package import name` of a submodule counts as
+  that submodule)."""
+  with open(path, encoding='utf-8') as f:
+    tree = ast.parse(f.read())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names if a.name in modules)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+      subs = {f'{node.module}.{a.name}' for a in node.names} & set(modules)
+      out.update(subs or {node.module})
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  modules = project_modules()
+  return {m: imports(path, modules) - {m} for m, path in modules.items()}
+
+
+def test_every_folder_imports_only_the_folders_below_it():
+  folders = {m.split('.')[0] for m in project_modules()}
+  assert folders - set(ALLOWED) - set(TOP) == set(), 'a new folder needs its row in ALLOWED'
+  upward = []
+  for module, targets in import_graph().items():
+    folder = module.split('.')[0]
+    if folder in TOP:
+      continue
+    upward += [f'{module} -> {t}' for t in targets
+               if t.split('.')[0] not in ALLOWED[folder] | {folder}]
+  assert upward == []
+
+
+def test_the_import_graph_has_no_circles():
+  graph = import_graph()
+  state, circles = {}, []
+
+  def visit(module, trail):
+    state[module] = 'open'
+    for target in sorted(graph[module]):
+      if state.get(target) == 'open':
+        circles.append(' -> '.join(trail[trail.index(target):] + [target]))
+      elif target not in state:
+        visit(target, trail + [target])
+    state[module] = 'done'
+
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [module])
+  assert circles == []
+
+
+def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path, monkeypatch):
+  """The two tests above can fail: a planted circle and an upward import are found."""
+  graph = {'quant.a': {'models.b'}, 'models.b': {'quant.a'}}
+  monkeypatch.setattr(f'{__name__}.import_graph', lambda: graph)
+  monkeypatch.setattr(f'{__name__}.project_modules', lambda: dict.fromkeys(graph, ''))
+  for test in (test_every_folder_imports_only_the_folders_below_it,
+               test_the_import_graph_has_no_circles):
+    try:
+      test()
+    except AssertionError:
+      continue
+    raise AssertionError(f'{test.__name__} passed on a broken graph')
