@@ -20,7 +20,6 @@ _SEQ = flags.DEFINE_integer('seq_len', 512, 'Sequence length.')
 _REMAT = flags.DEFINE_string('remat', 'full', 'Remat policy.')
 
 
-
 def zero_formula(layout: str, psi: int, n: int) -> float | None:
   return {'ddp': 16 * psi, 'zero1': 4 * psi + 12 * psi / n, 'zero2': 2 * psi + 14 * psi / n,
           'fsdp': 16 * psi / n}.get(layout)

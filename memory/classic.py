@@ -47,8 +47,8 @@ import dataclasses
 
 from memory.estimate import StepShape, activation_bytes, estimate
 from models.config import ModelConfig
-from quant.formats import format_rows
 from precision.policy import get_policy
+from quant.formats import format_rows
 
 GB = 1e9
 SEQ_LEN = 2048

@@ -35,7 +35,6 @@ class AdapterCall:
     return dataclasses.replace(self, dropout_key=key)
 
 
-
 def logical_param(value: jax.Array, axes: Sequence[str]) -> nnx.Param:
   """A parameter annotated with logical axis names; the mesh placement is decided later by rules."""
   # eager_sharding=False: the model is built without a mesh; train/ places it with jit out_shardings.

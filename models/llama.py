@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.layers import Block, make_norm, rope_tables
-from models.loss import token_losses
 from models import lora
+from models.config import ModelConfig
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
+from models.layers import Block, make_norm, rope_tables
+from models.loss import token_losses
 from precision.policy import Policy
 
 _REMAT = {

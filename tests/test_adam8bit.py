@@ -6,9 +6,9 @@ import optax
 import pytest
 
 from optim.adam8bit import scale_by_adam_8bit
+from parallel.collectives import collective_stats
 from quant.blockwise import dequantize_blockwise, dynamic_code, quantize_blockwise
 from tests.helpers import tiny_config
-from parallel.collectives import collective_stats
 from train import checks, run
 
 

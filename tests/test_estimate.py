@@ -71,7 +71,6 @@ def test_only_16_bit_compute_pays_for_the_cpu_fp32_copies():
   assert estimate(CFG, fp32, shape) == estimate(CFG, fp32, gpu)
 
 
-
 def test_the_cpu_estimate_follows_the_installed_compiler():
   """The CPU's fp32 copies of bf16 matmul operands are counted exactly when the installed XLA:CPU
   makes them (jax 0.10 does, 0.11 does not)."""

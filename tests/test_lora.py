@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models.dense import stored_bytes
 from models.lora import LoraSpec, merge
 from precision.policy import POLICIES
-from models.dense import stored_bytes
 from tests.helpers import random_tokens, tiny_config
 from train import checks, run
 from train.state import ModelSpec

@@ -6,9 +6,8 @@ import pytest
 from flax import nnx
 
 from configs import default
-from models.dense import Dense
+from models.dense import Dense, quantize_weights, stored_bytes
 from quant.llm_int8 import recording_outliers
-from models.dense import quantize_weights, stored_bytes
 from quant.weights import QuantizedKernel, QuantizedWeight
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_run import small_corpus

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from data import DataError
 from tests.helpers import tiny_config
 from train import checks, run
 from train.checkpoint import CheckpointError
-from data import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

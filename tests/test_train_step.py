@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from optim.adamw import make_optimizer
 from parallel.mesh import make_mesh
 from parallel.rules import layout_rules
 from tests.helpers import random_tokens, reordered_rtol, tiny_config
 from train import checks
-from optim.adamw import make_optimizer
 from train.state import state_layout
 from train.step import cross_entropy, make_train_step
 

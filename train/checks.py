@@ -7,13 +7,13 @@ from flax import nnx
 
 from models import ModelConfig, Transformer
 from models.attention import refusal as attention_refusal
-from parallel.rules import layout_rules
-from optim.adam8bit import BLOCK_SIZES
 from models.lora import LoraSpec, check_targets
+from optim.adam8bit import BLOCK_SIZES
+from optim.adamw import ADAM_BITS
+from parallel.rules import layout_rules
 from precision.policy import Policy, get_policy
 from quant.recipe import MatmulRecipe
 from quant.weights import WEIGHT_FORMATS
-from optim.adamw import ADAM_BITS
 from train.state import ModelSpec
 
 

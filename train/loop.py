@@ -7,8 +7,8 @@ import time
 import jax
 from tqdm import tqdm
 
-from optim.adamw import learning_rate_schedule
 from memory.compiled import peak_device_memory
+from optim.adamw import learning_rate_schedule
 from precision.loss_scale import all_finite
 from train.metrics import MetricsWriter
 from train.preemption import StopRequests
@@ -29,8 +29,8 @@ class LoopEnd:
   preempted: bool      # stopped by a signal, after saving
 
 
-def train_loop(s, compiled, state: dict, start: int, batches, global_batch, checkpoints, meta: dict,
-               evaluator, workdir: str) -> LoopEnd:
+def train_loop(s, compiled, state: dict, start: int, batches, global_batch, checkpoints,
+               meta: dict, evaluator, workdir: str) -> LoopEnd:
   """Runs steps start + 1 .. train.steps of the compiled step `compiled` (s: run.Setup).
   `global_batch` turns a process's rows into the global batch; `evaluator(state, step)` returns
   the validation figures; `meta` goes into every checkpoint beside the state."""

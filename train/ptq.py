@@ -13,8 +13,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from precision.policy import Policy
 from models.dense import quantize_weights
+from precision.policy import Policy
 from train import checks
 from train.checkpoint import CheckpointError, Checkpointer
 from train.state import build_model

@@ -119,7 +119,6 @@ def checkpoint_meta(s: Setup) -> dict:
   return meta
 
 
-
 def compile_train_step(s: Setup):
   """Lower and compile on abstract inputs: nothing is allocated, the memory can be read."""
   train = s.config.train

@@ -18,16 +18,16 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from models import ModelConfig, Transformer
+from models.dense import quantize_weights
+from models.lora import LoraSpec
+from optim.adam8bit import is_quantized_moment
+from optim.decay import layer_ndim
 from parallel.rules import LayoutRules, mesh_axes
 from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
                                shard_ways, shardings_for)
-from optim.adam8bit import is_quantized_moment
-from optim.decay import layer_ndim
-from quant.fp8 import AmaxHistory
-from models.lora import LoraSpec
 from precision.loss_scale import init_loss_scale
 from precision.policy import Policy
-from models.dense import quantize_weights
+from quant.fp8 import AmaxHistory
 from quant.weights import QuantizedWeight
 
 
