@@ -1,23 +1,28 @@
 """The dry run's figures stay where they were recorded (bench/results/figures.json): compiled
-per-device memory, the analytic estimate and the collectives per step of a few experiment configs,
-byte for byte. `python -m bench.figures --against=...` checks every config; this keeps two in the
-suite so a change that moves them fails here. Compiled figures belong to one compiler: under
+per-device memory, the analytic estimate and the collectives per step, byte for byte.
+`python -m bench.figures --against=...` checks every config; this keeps the default layout's in
+the suite so a change that moves them fails here. Compiled figures belong to one compiler: under
 another jax version than the recording's the test is skipped (record anew with --out)."""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
 
-from bench.figures import ROOT, differences, dry_run_figures
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDED = os.path.join(ROOT, 'bench', 'results', 'figures.json')
 
 
-@pytest.mark.parametrize('name', ['fsdp', 'qlora'])
-def test_dry_run_figures_are_those_recorded(name):
+def test_the_fsdp_dry_run_figures_are_those_recorded():
   with open(RECORDED) as f:
     recorded = json.load(f)
   if recorded['jax'] != jax.__version__:
     pytest.skip(f'figures recorded with jax {recorded["jax"]}, this is jax {jax.__version__}')
-  assert differences(recorded['configs'][name], dry_run_figures(name)) == []
+  # A process of its own: bench.figures defines absl flags, as the run does.
+  result = subprocess.run([sys.executable, '-m', 'bench.figures', '--only=fsdp',
+                           f'--against={RECORDED}'], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+  assert result.returncode == 0 and 'fsdp       ok, unchanged' in result.stdout, (
+      result.stdout + result.stderr[-2000:])
