@@ -53,8 +53,13 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint
                                           # directory (fine-tuning an imported model on its vocabulary)
   )
-  config.mesh = dict(data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
-  config.parallel = dict(zero_stage=0)      # 0 DDP, 1-3 ZeRO stages over the fsdp axis
+  config.mesh = dict(stage=1, data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
+  config.parallel = dict(
+      zero_stage=0,                       # 0 DDP, 1-3 ZeRO stages over the fsdp axis
+      pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, or circular (interleaved)
+      pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
+      pipeline_repeats=1,                 # circular: layer chunks per stage (gpipe: 1)
+  )
   config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
   config.quant = dict(
       mode='none',                        # matmuls: none, int8, int4, fp8, llm_int8 (quant/recipe.py)

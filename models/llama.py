@@ -1,9 +1,13 @@
 """The decoder-only transformer: embedding, a scanned stack of blocks, final norm, output head.
 
-The blocks are created with `nnx.vmap` (parameters stacked on a leading `layers` axis) and run with
-`nnx.scan`, so XLA compiles one block whatever the depth; the remat policy wraps the scanned body.
+The blocks are created with `nnx.vmap` (parameters stacked on a leading `layers` axis) and run as
+a plain function of their stacked weights by a `Stack`: `scan_layers` (XLA compiles one block
+whatever the depth), or a pipeline over stages (parallel/pipeline.py) that the train step passes
+in; the remat policy wraps the one block.
 LoRA adapters (models/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +25,20 @@ _REMAT = {
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'qkv': jax.checkpoint_policies.save_only_these_names('query', 'key', 'value'),
 }
+
+
+# How the block stack runs: stack(layer, layers, x, keys) -> x, where `layers` is the blocks'
+# weights stacked on a leading [num_layers] axis (a pytree), `keys` [num_layers] dropout keys or
+# None, and layer(x, one_layer_weights, key) -> x applies one block.
+Stack = Callable[[Callable, Any, jax.Array, jax.Array | None], jax.Array]
+
+
+def scan_layers(layer: Callable, layers, x: jax.Array, keys: jax.Array | None) -> jax.Array:
+  """The blocks one after another: a scan, so XLA compiles one block whatever the depth."""
+  def body(x, inputs):
+    params, key = inputs
+    return layer(x, params, key), None
+  return jax.lax.scan(body, x, (layers, keys))[0]
 
 
 class Transformer(nnx.Module):
@@ -64,40 +82,43 @@ class Transformer(nnx.Module):
     return (logits[:rows], logits[rows:]) if reference else logits
 
   def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
-                   dropout_key: jax.Array | None = None) -> jax.Array:
+                   dropout_key: jax.Array | None = None, stack: 'Stack | None' = None) -> jax.Array:
     """Next-token cross-entropy [batch, length] in nats; the head runs `model.loss_chunk`
-    positions at a time (models/loss.py)."""
-    x, head = self.hidden(tokens, dropout_key=dropout_key)
+    positions at a time (models/loss.py). `stack`: as in `hidden`."""
+    x, head = self.hidden(tokens, dropout_key=dropout_key, stack=stack)
     return token_losses(head, x, targets, self.cfg.loss_chunk)
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-             dropout_key: jax.Array | None = None, reference: bool = False):
+             dropout_key: jax.Array | None = None, reference: bool = False,
+             stack: 'Stack | None' = None):
     """The final norm's output [batch, length, d_model] (the batch twice with `reference`), and
-    the head: a function of such hidden states (any number of positions) to fp32 logits."""
+    the head: a function of such hidden states (any number of positions) to fp32 logits.
+    `stack` runs the block stack (default `scan_layers`; a pipeline is another)."""
     cfg = self.cfg
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    if positions is None:   # one row for all: the tables broadcast over any split of the batch
+      positions = jnp.arange(tokens.shape[1])[None]
     rows = tokens.shape[0]
     active_rows = None
     if reference:   # the batch twice: adapters on for the first copy, off for the second
-      tokens, positions = (jnp.concatenate([t, t]) for t in (tokens, positions))
+      tokens = jnp.concatenate([tokens, tokens])
+      positions = positions if positions.shape[0] == 1 else jnp.concatenate([positions, positions])
       active_rows = jnp.arange(2 * rows) < rows
     x, cos, sin = self._embed(tokens, positions)
 
     call = (AdapterCall(None, active_rows)
             if dropout_key is not None or active_rows is not None else None)
     layer_keys = (jax.random.split(dropout_key, cfg.num_layers)
-                  if dropout_key is not None else jnp.zeros((cfg.num_layers,)))
+                  if dropout_key is not None else None)
+    graphdef, layers = nnx.split(self.blocks)
 
-    def body(x, block, key):
-      return block(x, cos, sin, None if call is None else
-                   call.for_layer(key if dropout_key is not None else None))
+    def layer(x, params, key):
+      """One block, a plain function of its (unstacked) weights."""
+      block = nnx.merge(graphdef, params)
+      return block(x, cos, sin, None if call is None else call.for_layer(key))
 
     if cfg.remat != 'none':
-      body = nnx.remat(body, policy=_REMAT[cfg.remat], prevent_cse=False)
-    run_blocks = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
-                          transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    x = self.final_norm(run_blocks(x, self.blocks, layer_keys))
+      layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x = self.final_norm((stack or scan_layers)(layer, layers, x, layer_keys))
 
     head_call = None if call is None else call.for_layer(
         None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))

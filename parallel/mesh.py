@@ -5,7 +5,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
+# Outermost first: pipeline stages cross the slowest links (between nodes), tensor the fastest.
+MESH_AXES = ('stage', 'data', 'fsdp', 'tensor')
 
 
 def resolve_mesh_shape(mesh_config: dict, num_devices: int) -> dict[str, int]:

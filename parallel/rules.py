@@ -15,7 +15,8 @@ uses*: replicated over `fsdp` (every data-parallel device holds it whole) or sha
 
 Tensor parallelism (Megatron style) is in every table: attention heads and the MLP hidden
 dimension are split over `tensor` (column-parallel in, row-parallel out), and so is the vocabulary
-of the embedding and the logits.
+of the embedding and the logits. So is pipeline parallelism: the stacked blocks' `layers` axis is
+split over `stage` (parallel/pipeline.py runs them).
 """
 import dataclasses
 
@@ -23,7 +24,8 @@ from jax.sharding import PartitionSpec
 
 ZERO_STAGES = (0, 1, 2, 3)
 
-TENSOR_PARALLEL = (
+MODEL_PARALLEL = (
+    ('layers', 'stage'),   # the stacked blocks: contiguous runs of layers per pipeline stage
     ('vocab', 'tensor'),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
@@ -31,19 +33,19 @@ TENSOR_PARALLEL = (
 )
 
 # Activations: the batch is split over every data-parallel axis (FSDP is data parallel too).
-ACTIVATIONS = (('batch', ('data', 'fsdp')),) + TENSOR_PARALLEL
+ACTIVATIONS = (('batch', ('data', 'fsdp')),) + MODEL_PARALLEL
 
 # State that each data-parallel device holds whole.
-REPLICATED = TENSOR_PARALLEL
+REPLICATED = MODEL_PARALLEL
 
 # State split over `fsdp`: every weight has an `embed` dimension (norm scales are only that), and
 # d_model divides evenly far more often than the other dimensions.
-SHARDED = (('embed', 'fsdp'),) + TENSOR_PARALLEL
+SHARDED = (('embed', 'fsdp'),) + MODEL_PARALLEL
 
 
 # Activations inside a per-device region (a vmap over the data-parallel devices): the batch there
 # is already one device's rows.
-PER_DEVICE_ACTIVATIONS = TENSOR_PARALLEL
+PER_DEVICE_ACTIVATIONS = MODEL_PARALLEL
 DATA_PARALLEL_AXES = ('data', 'fsdp')
 
 

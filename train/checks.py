@@ -10,6 +10,7 @@ from models.attention import refusal as attention_refusal
 from models.lora import LoraSpec, check_targets
 from optim.adam8bit import BLOCK_SIZES
 from optim.adamw import ADAM_BITS
+from parallel.pipeline import PipelineSchedule
 from parallel.rules import layout_rules
 from precision.policy import Policy, get_policy
 from quant.recipe import MatmulRecipe
@@ -139,3 +140,22 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
     raise ConfigError(str(e)) from None
   if not 0 < config.data.val_fraction <= 0.5:
     raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')
+
+
+def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSchedule | None:
+  """The pipeline `mesh.stage` and `parallel.pipeline_*` ask for (None: one stage), checked
+  against the model's depth and the batch (after `check_config`)."""
+  if stages == 1:
+    return None
+  parallel, train = config.parallel, config.train
+  schedule = PipelineSchedule(parallel.pipeline_schedule, stages, parallel.pipeline_microbatches,
+                              parallel.pipeline_repeats)
+  refused = schedule.refusal(model_config(config).num_layers,
+                             train.batch_size // (data_parallel * train.microbatches))
+  if refused:
+    raise ConfigError(refused)
+  if policy(config).matmul.delayed_scaling:
+    raise ConfigError('quant.fp8_scaling=delayed with mesh.stage > 1: a pipeline runs each layer '
+                      'once per microbatch and on bubble inputs, which its amax history would '
+                      'record; use quant.fp8_scaling=current')
+  return schedule

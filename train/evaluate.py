@@ -9,10 +9,11 @@ from parallel.sharding import replicated
 from train.step import cross_entropy
 
 
-def make_eval_step(graphdef):
-  """eval_step(params, frozen, batch): frozen is the LoRA base ({} without LoRA)."""
+def make_eval_step(graphdef, stack=None):
+  """eval_step(params, frozen, batch): frozen is the LoRA base ({} without LoRA); `stack`: how the
+  blocks run (the train step's pipeline)."""
   def eval_step(params, frozen, batch):
-    return cross_entropy(graphdef, params, frozen, batch)
+    return cross_entropy(graphdef, params, frozen, batch, stack=stack)
   return eval_step
 
 
@@ -36,7 +37,7 @@ class Evaluator:
     self._bytes_per_token = bytes_per_token
     batch = {'inputs': s.batch_sharding, 'targets': s.batch_sharding}
     with s.context():
-      self._step = jax.jit(make_eval_step(s.layout.graphdef),
+      self._step = jax.jit(make_eval_step(s.layout.graphdef, s.stack),
                            in_shardings=(s.layout.shardings['params'],
                                          s.layout.shardings.get('frozen', {}), batch),
                            out_shardings=replicated(s.mesh))

@@ -17,6 +17,7 @@ from models.config import COMPUTE_FIELDS, ModelConfig
 from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
+from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.rules import DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, replicated
 from precision.policy import Policy
@@ -43,6 +44,12 @@ class Setup:
   train_step: object        # jitted, with shardings and donation
   batch_sharding: jax.sharding.NamedSharding
   block_axes: dict | None   # 8-bit Adam: parameter path -> the dimension its moments are blocked from
+  pipeline: PipelineSchedule | None = None   # mesh.stage > 1
+
+  @property
+  def stack(self):
+    """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
+    return None if self.pipeline is None else pipelined(self.pipeline)
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
@@ -65,6 +72,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   checks.check_config(config, data_parallel=data_parallel_size(mesh),
                       process_count=jax.process_count(),
                       tokenizer_vocab=make_tokenizer(config).vocab_size)
+  schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
+                                      data_parallel=data_parallel_size(mesh))
   rules = layout_rules(config.parallel.zero_stage)
   block_axes = (_block_axes(moment_block_axes(spec, mesh, rules), stored_block_axes)
                 if config.quant.adam_bits == 8 else None)
@@ -81,13 +90,14 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,
-                            dropout_seed=config.train.seed if dropout else None)
+                            dropout_seed=config.train.seed if dropout else None,
+                            stack=None if schedule is None else pipelined(schedule))
   tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
-               None if block_axes is None else _flat_paths(block_axes))
+               None if block_axes is None else _flat_paths(block_axes), schedule)
 
 
 def _flat_paths(tree) -> dict:

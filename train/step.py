@@ -20,11 +20,13 @@ from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
 
 
-def cross_entropy(graphdef, params, frozen, batch, dropout_key=None) -> jax.Array:
+def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None) -> jax.Array:
   """Mean next-token cross-entropy in nats per token. `frozen`: the base weights under LoRA ({}
-  otherwise); `dropout_key`: LoRA dropout on."""
+  otherwise); `dropout_key`: LoRA dropout on; `stack`: how the blocks run (a pipeline; None: one
+  after another)."""
   model = nnx.merge(graphdef, params, frozen)
-  return model.token_losses(batch['inputs'], batch['targets'], dropout_key=dropout_key).mean()
+  return model.token_losses(batch['inputs'], batch['targets'], dropout_key=dropout_key,
+                            stack=stack).mean()
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -37,7 +39,8 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
-                    grad_shardings=None, per_device=None, dropout_seed: int | None = None):
+                    grad_shardings=None, per_device=None, dropout_seed: int | None = None,
+                    stack=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -49,7 +52,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   not once per microbatch (what PyTorch DDP's no_sync does).
 
   `dropout_seed`: LoRA dropout, with a key per step, microbatch and device drawn from it (None: no
-  dropout)."""
+  dropout). `stack`: how the blocks run (parallel/pipeline.py; None: one after another)."""
   per_device = per_device if microbatches > 1 else None
 
   def place(grads):
@@ -73,7 +76,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
                 jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state['step']))
 
     def scaled_loss(p, microbatch, key):
-      loss = cross_entropy(graphdef, p, frozen, microbatch, key)
+      loss = cross_entropy(graphdef, p, frozen, microbatch, key, stack)
       return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)

@@ -1,0 +1,162 @@
+"""Pipeline parallelism: the block stack split into stages over the `stage` mesh axis.
+
+The layers are cut into `stages x repeats` chunks of consecutive layers; chunk c runs on stage
+c mod stages, so each stage holds `repeats` chunks (GPipe: one contiguous chunk; circular, or
+interleaved: several, and an activation goes round the ring `repeats` times). The batch is split
+into `microbatches`; at every iteration each stage applies one of its chunks to the activation it
+holds, then every activation moves one stage on (a roll along the stage axis, which XLA compiles to
+one collective-permute). `PipelineSchedule.table` says which item (a microbatch in one round of
+the ring) each stage works on at each iteration; the compiled loop reads that table, so the bubble
+reported from it is the bubble of the program that runs.
+
+Written as a vmap over stages whose mapped axis is laid on the `stage` mesh axis
+(`spmd_axis_name`): each stage's program is the one block stack the model defines, and the
+`data`, `fsdp` and `tensor` axes keep working inside a stage exactly as without a pipeline. The
+backward pass is the autodiff of the loop: all forwards, then all backwards (GPipe's order).
+The embedding and the head are shared: every stage holds them (split as the layout says) and
+computes them on the whole batch, outside the pipeline.
+
+The weights stay stored in model order on a `[num_layers]` axis (checkpoints do not depend on the
+layout); that axis is split over `stage` in contiguous blocks, which is GPipe's placement. The
+circular schedule needs chunk c on stage c mod stages, so it re-lays the stacked weights out once
+per step (an all-to-all of each stage's weights, and of their gradients in the backward).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen
+
+STAGE_AXIS = 'stage'
+SCHEDULES = ('gpipe', 'circular')
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+  name: str           # gpipe | circular
+  stages: int         # P: the `stage` mesh axis
+  microbatches: int   # M: per step (per gradient-accumulation microbatch)
+  repeats: int = 1    # R: chunks per stage (1 for gpipe)
+
+  @property
+  def items(self) -> int:
+    """What enters the pipe per step: every microbatch once per round of the ring."""
+    return self.microbatches * self.repeats
+
+  @property
+  def iterations(self) -> int:
+    return self.items + self.stages - 1
+
+  def table(self) -> np.ndarray:
+    """[iterations, stages] int: the item (round r, microbatch m numbered r * M + m) that each
+    stage works on at each iteration, -1 where it idles (the bubble). Item i enters stage 0 at
+    iteration i and reaches stage p at iteration i + p."""
+    item = np.arange(self.iterations)[:, None] - np.arange(self.stages)[None, :]
+    return np.where((item >= 0) & (item < self.items), item, -1)
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Idle stage-iterations over all stage-iterations of the table."""
+    return float((self.table() < 0).mean())
+
+  def layers_per_chunk(self, num_layers: int) -> int:
+    return num_layers // (self.stages * self.repeats)
+
+  def refusal(self, num_layers: int, rows_per_device: int) -> str | None:
+    """One line naming the setting that does not fit, or None. `rows_per_device`: the rows of a
+    gradient-accumulation microbatch on one data-parallel device (what the pipeline splits)."""
+    P, M, R = self.stages, self.microbatches, self.repeats
+    if self.name not in SCHEDULES:
+      return f'parallel.pipeline_schedule={self.name!r}; allowed: {", ".join(SCHEDULES)}'
+    if not isinstance(R, int) or R < 1 or (self.name == 'gpipe' and R != 1):
+      return (f'parallel.pipeline_repeats={R!r} with parallel.pipeline_schedule={self.name!r}; '
+              f'gpipe holds one chunk per stage (repeats=1), circular takes an integer >= 1')
+    if not isinstance(M, int) or M < P:
+      return (f'parallel.pipeline_microbatches={M!r} with mesh.stage={P}; at least {P} (one per '
+              f'stage) keeps every stage busy outside the bubble')
+    if num_layers % (P * R):
+      return (f'model.num_layers={num_layers} does not split into mesh.stage={P} x '
+              f'parallel.pipeline_repeats={R} = {P * R} chunks of equal depth; use a divisor of '
+              f'{num_layers}')
+    if rows_per_device % M:
+      return (f'parallel.pipeline_microbatches={M} does not divide the {rows_per_device} rows each '
+              f'data-parallel device runs per gradient-accumulation microbatch; use a divisor of '
+              f'{rows_per_device}')
+    return None
+
+
+def pipelined(schedule: PipelineSchedule):
+  """A `models.llama.Stack` that runs the block stack through `schedule` on the `stage` axis."""
+  P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+  table = schedule.table()
+  # What reaches stage 0 at iteration t: the last stage's output of iteration t - 1.
+  arrivals = np.concatenate([[-1], table[:-1, P - 1]])
+
+  def stack(layer, layers, x, keys):
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    chunk = schedule.layers_per_chunk(num_layers)
+
+    def by_stage(a):   # [L, ...] -> [P, R, chunk, ...]: chunk r * P + p of the model on stage p
+      return a.reshape(R, P, chunk, *a.shape[1:]).swapaxes(0, 1)
+
+    stage_layers = jax.tree.map(by_stage, layers)
+    stage_keys = None if keys is None else by_stage(keys)
+    micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
+
+    def stage_step(weights, keys, held, store, stage, item, arrived):
+      """One stage at one iteration: stage 0 files what arrived from the last stage and takes its
+      next input; then the stage runs the chunk of the item it holds."""
+      first = stage == 0
+      store = _put(store, arrived % M, held, first & (arrived >= 0))
+      m, r = jnp.maximum(item, 0) % M, jnp.maximum(item, 0) // M
+      entering = jnp.where(r == 0, micro[m], store[m])   # round 0 from the batch, later ones from the ring
+      held = jnp.where(first & (item >= 0), entering, held)
+      weights = jax.tree.map(lambda w: w[r], weights)
+      keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, m))(keys[r])
+      return _scan_chunk(layer, weights, held, keys), store
+
+    run_stages = jax.vmap(stage_step, in_axes=(0, 0 if keys is not None else None, 0, 0, 0, 0, None),
+                          spmd_axis_name=STAGE_AXIS)
+    stage_ids = jnp.arange(P)
+
+    def iteration(carry, inputs):
+      held, store = carry
+      items, arrived = inputs
+      held, store = run_stages(stage_layers, stage_keys, held, store, stage_ids, items, arrived)
+      return (jnp.roll(held, 1, axis=0), store), None   # every activation one stage on
+
+    held = jnp.zeros((P,) + micro.shape[1:], micro.dtype)
+    store = jnp.zeros((P,) + micro.shape, micro.dtype)
+    (held, store), _ = jax.lax.scan(iteration, (held, store),
+                                    (jnp.asarray(table), jnp.asarray(arrivals)))
+    # The last item's output arrived at stage 0 after the last iteration: file it there too.
+    last = schedule.items - 1
+    outputs = _put(store[0], last % M, held[0], True)
+    return _join_rows(outputs)
+
+  return stack
+
+
+def _put(store: jax.Array, index, value: jax.Array, when) -> jax.Array:
+  """store[index] = value where `when`, as an in-place update of one slot."""
+  return jax.lax.dynamic_update_index_in_dim(store, jnp.where(when, value, store[index]), index, 0)
+
+
+def _scan_chunk(layer, weights, x, keys):
+  def body(x, inputs):
+    params, key = inputs
+    return layer(x, params, key), None
+  return jax.lax.scan(body, x, (weights, keys))[0]
+
+
+def _split_rows(x: jax.Array, parts: int) -> jax.Array:
+  """[rows, ...] -> [parts, rows / parts, ...], row i into part i mod parts: each data-parallel
+  device keeps its own rows in every part."""
+  split = x.reshape(x.shape[0] // parts, parts, *x.shape[1:]).swapaxes(0, 1)
+  return linen.with_logical_constraint(split, (None, 'batch') + (None,) * (x.ndim - 1))
+
+
+def _join_rows(x: jax.Array) -> jax.Array:
+  joined = x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+  return linen.with_logical_constraint(joined, ('batch',) + (None,) * (x.ndim - 2))
