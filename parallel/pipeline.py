@@ -87,7 +87,11 @@ class PipelineSchedule:
 
 
 def pipelined(schedule: PipelineSchedule):
-  """A `models.llama.Stack` that runs the block stack through `schedule` on the `stage` axis."""
+  """A `models.llama.Stack` that runs the block stack through `schedule` on the `stage` axis.
+
+  Weight gradients are summed over the loop's iterations. Sharded over `fsdp` (ZeRO-2/3), each
+  iteration's is reduced into the sharded sum as it is produced (as ZeRO-2/3 do per microbatch);
+  replicated (DDP, ZeRO-1), they are summed per device and reduced once (train/step.py)."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   table = schedule.table()
   # What reaches stage 0 at iteration t: the last stage's output of iteration t - 1.
@@ -104,7 +108,12 @@ def pipelined(schedule: PipelineSchedule):
     stage_keys = None if keys is None else by_stage(keys)
     micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
 
-    def stage_step(weights, keys, held, store, stage, item, arrived):
+    # Every stage gets its own copy of the batch (a broadcast: each device held it already), so
+    # that the batch's gradient is summed on each stage and reduced over stages once, after the
+    # loop, not at every iteration.
+    micro = jnp.broadcast_to(micro, (P,) + micro.shape)
+
+    def stage_step(weights, keys, micro, held, store, stage, item, arrived):
       """One stage at one iteration: stage 0 files what arrived from the last stage and takes its
       next input; then the stage runs the chunk of the item it holds."""
       first = stage == 0
@@ -116,18 +125,19 @@ def pipelined(schedule: PipelineSchedule):
       keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, m))(keys[r])
       return _scan_chunk(layer, weights, held, keys), store
 
-    run_stages = jax.vmap(stage_step, in_axes=(0, 0 if keys is not None else None, 0, 0, 0, 0, None),
+    run_stages = jax.vmap(stage_step, in_axes=(0, 0 if keys is not None else None, 0, 0, 0, 0, 0, None),
                           spmd_axis_name=STAGE_AXIS)
     stage_ids = jnp.arange(P)
 
     def iteration(carry, inputs):
       held, store = carry
       items, arrived = inputs
-      held, store = run_stages(stage_layers, stage_keys, held, store, stage_ids, items, arrived)
+      held, store = run_stages(stage_layers, stage_keys, micro, held, store, stage_ids, items,
+                               arrived)
       return (jnp.roll(held, 1, axis=0), store), None   # every activation one stage on
 
-    held = jnp.zeros((P,) + micro.shape[1:], micro.dtype)
-    store = jnp.zeros((P,) + micro.shape, micro.dtype)
+    held = jnp.zeros((P,) + micro.shape[2:], micro.dtype)
+    store = jnp.zeros(micro.shape, micro.dtype)
     (held, store), _ = jax.lax.scan(iteration, (held, store),
                                     (jnp.asarray(table), jnp.asarray(arrivals)))
     # The last item's output arrived at stage 0 after the last iteration: file it there too.

@@ -84,9 +84,11 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   # Per-device accumulation (train/step.py) where gradients are replicated over more than one
-  # data-parallel device: with one there is nothing to reduce.
+  # data-parallel device (with one there is nothing to reduce) and summed over several
+  # microbatches: the accumulation's, or the pipeline's.
+  repeated = config.train.microbatches > 1 or schedule is not None
   per_device = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
-                if rules.grads_replicated and data_parallel_size(mesh) > 1 else None)
+                if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated else None)
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,

@@ -46,15 +46,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
 
   `per_device` = (mesh, data-parallel axes, per-device activation rules), for layouts whose
-  gradients are replicated over the data-parallel axes (DDP, ZeRO-1) and several microbatches:
+  gradients are replicated over the data-parallel axes (DDP, ZeRO-1) and several microbatches
+  (of the accumulation, or of a pipeline):
   each microbatch's gradient is taken per device (vmapped over the devices' rows, the mapped axis
   laid on the data-parallel mesh axes) and summed there, so gradients are reduced once per step,
   not once per microbatch (what PyTorch DDP's no_sync does).
 
   `dropout_seed`: LoRA dropout, with a key per step, microbatch and device drawn from it (None: no
   dropout). `stack`: how the blocks run (parallel/pipeline.py; None: one after another)."""
-  per_device = per_device if microbatches > 1 else None
-
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
