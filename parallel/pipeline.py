@@ -60,6 +60,35 @@ class PipelineSchedule:
     """Idle stage-iterations over all stage-iterations of the table."""
     return float((self.table() < 0).mean())
 
+  @property
+  def final_slot(self) -> int:
+    """The ring slot (see `pipelined`) where the last item's output is filed."""
+    return self.microbatches + (self.items - 1) % self.microbatches
+
+  def moves(self) -> dict[str, np.ndarray]:
+    """Per iteration and stage, [iterations, stages] int32 each: the ring slot the held activation
+    is written to (`write`) and the slot taken to work on (`read`), the chunk index among the
+    stage's `repeats` (`chunk`), and the microbatch (`microbatch`, for dropout keys).
+
+    Ring slots (per stage): 0..M-1 the batch's microbatches, M..2M-1 the last stage's outputs,
+    2M spare. Stage 0 files what arrived from the last stage (its output of the iteration before)
+    at M + its microbatch, and reads item i's input: microbatch m of the batch in round 0, the
+    output of round r - 1 after (there by then, since M >= P). Every other write and read is the
+    spare slot, so a stage that takes nothing keeps what it holds."""
+    M, P = self.microbatches, self.stages
+    table = self.table()
+    spare = 2 * M
+    arrived = np.concatenate([[-1], table[:-1, P - 1]])   # at stage 0, from the last stage
+    write = np.full(table.shape, spare)
+    write[:, 0] = np.where(arrived >= 0, M + arrived % M, spare)
+    item = np.maximum(table, 0)
+    read = np.full(table.shape, spare)
+    read[:, 0] = np.where(table[:, 0] >= 0, np.where(item[:, 0] < M, item[:, 0], M + item[:, 0] % M),
+                          spare)
+    chunk = np.minimum(item // M, self.repeats - 1)
+    return {k: v.astype(np.int32) for k, v in
+            dict(write=write, read=read, chunk=chunk, microbatch=item % M).items()}
+
   def layers_per_chunk(self, num_layers: int) -> int:
     return num_layers // (self.stages * self.repeats)
 
@@ -89,13 +118,17 @@ class PipelineSchedule:
 def pipelined(schedule: PipelineSchedule):
   """A `models.llama.Stack` that runs the block stack through `schedule` on the `stage` axis.
 
+  Each stage keeps a ring of activation slots: the M microbatches of the batch, the M outputs of
+  the last stage (which stage 0 files as they arrive: the next round's inputs, and after the last
+  round the pipeline's output), and a spare slot. Every iteration each stage writes the activation
+  it holds into one slot and reads one back (`PipelineSchedule.moves`): all the schedule's choices
+  are integer indices, so the backward pass keeps no masks.
+
   Weight gradients are summed over the loop's iterations. Sharded over `fsdp` (ZeRO-2/3), each
   iteration's is reduced into the sharded sum as it is produced (as ZeRO-2/3 do per microbatch);
   replicated (DDP, ZeRO-1), they are summed per device and reduced once (train/step.py)."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-  table = schedule.table()
-  # What reaches stage 0 at iteration t: the last stage's output of iteration t - 1.
-  arrivals = np.concatenate([[-1], table[:-1, P - 1]])
+  moves = {k: jnp.asarray(v) for k, v in schedule.moves().items()}
 
   def stack(layer, layers, x, keys):
     num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -107,50 +140,38 @@ def pipelined(schedule: PipelineSchedule):
     stage_layers = jax.tree.map(by_stage, layers)
     stage_keys = None if keys is None else by_stage(keys)
     micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
+    # Every stage has its own ring with its own copy of the batch (each device held the batch
+    # already), so that the batch's gradient is summed per stage and reduced over the stages
+    # once, after the loop.
+    ring = jnp.concatenate([micro, jnp.zeros((M + 1,) + micro.shape[1:], micro.dtype)])
+    ring = jnp.broadcast_to(ring, (P,) + ring.shape)
 
-    # Every stage gets its own copy of the batch (a broadcast: each device held it already), so
-    # that the batch's gradient is summed on each stage and reduced over stages once, after the
-    # loop, not at every iteration.
-    micro = jnp.broadcast_to(micro, (P,) + micro.shape)
+    def stage_step(weights, keys, ring, held, write, read, chunk_index, microbatch):
+      """One stage at one iteration: file the activation held, take the one to work on, run the
+      chunk of layers the item is at."""
+      ring = jax.lax.dynamic_update_index_in_dim(ring, held, write, 0)
+      held = ring[read]
+      weights = jax.tree.map(lambda w: w[chunk_index], weights)
+      if keys is not None:   # a dropout mask per layer and microbatch
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys[chunk_index])
+      return _scan_chunk(layer, weights, held, keys), ring
 
-    def stage_step(weights, keys, micro, held, store, stage, item, arrived):
-      """One stage at one iteration: stage 0 files what arrived from the last stage and takes its
-      next input; then the stage runs the chunk of the item it holds."""
-      first = stage == 0
-      store = _put(store, arrived % M, held, first & (arrived >= 0))
-      m, r = jnp.maximum(item, 0) % M, jnp.maximum(item, 0) // M
-      entering = jnp.where(r == 0, micro[m], store[m])   # round 0 from the batch, later ones from the ring
-      held = jnp.where(first & (item >= 0), entering, held)
-      weights = jax.tree.map(lambda w: w[r], weights)
-      keys = None if keys is None else jax.vmap(lambda k: jax.random.fold_in(k, m))(keys[r])
-      return _scan_chunk(layer, weights, held, keys), store
-
-    run_stages = jax.vmap(stage_step, in_axes=(0, 0 if keys is not None else None, 0, 0, 0, 0, 0, None),
+    run_stages = jax.vmap(stage_step, in_axes=(0, None if keys is None else 0, 0, 0, 0, 0, 0, 0),
                           spmd_axis_name=STAGE_AXIS)
-    stage_ids = jnp.arange(P)
 
-    def iteration(carry, inputs):
-      held, store = carry
-      items, arrived = inputs
-      held, store = run_stages(stage_layers, stage_keys, micro, held, store, stage_ids, items,
-                               arrived)
-      return (jnp.roll(held, 1, axis=0), store), None   # every activation one stage on
+    def iteration(carry, move):
+      held, ring = carry
+      held, ring = run_stages(stage_layers, stage_keys, ring, held, move['write'], move['read'],
+                              move['chunk'], move['microbatch'])
+      return (jnp.roll(held, 1, axis=0), ring), None   # every activation one stage on
 
-    held = jnp.zeros((P,) + micro.shape[2:], micro.dtype)
-    store = jnp.zeros(micro.shape, micro.dtype)
-    (held, store), _ = jax.lax.scan(iteration, (held, store),
-                                    (jnp.asarray(table), jnp.asarray(arrivals)))
-    # The last item's output arrived at stage 0 after the last iteration: file it there too.
-    last = schedule.items - 1
-    outputs = _put(store[0], last % M, held[0], True)
-    return _join_rows(outputs)
+    held = jnp.zeros((P,) + micro.shape[1:], micro.dtype)
+    (held, ring), _ = jax.lax.scan(iteration, (held, ring), moves)
+    # The last item's output reached stage 0 after the last iteration: file it there too.
+    ring = jax.lax.dynamic_update_index_in_dim(ring[0], held[0], schedule.final_slot, 0)
+    return _join_rows(ring[M:2 * M])
 
   return stack
-
-
-def _put(store: jax.Array, index, value: jax.Array, when) -> jax.Array:
-  """store[index] = value where `when`, as an in-place update of one slot."""
-  return jax.lax.dynamic_update_index_in_dim(store, jnp.where(when, value, store[index]), index, 0)
 
 
 def _scan_chunk(layer, weights, x, keys):
