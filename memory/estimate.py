@@ -107,6 +107,20 @@ class StepShape:
   adam_bits: int = 32
   adam_block_size: int = 2048
   backend: str = 'cpu'   # the platform compiled for: 'cpu' adds XLA:CPU's fp32 copies (see above)
+  stages: int = 1        # size of the mesh's stage axis (pipeline parallelism)
+  pipeline_microbatches: int = 1   # what the pipeline splits one microbatch into
+  repeats: int = 1       # layer chunks per stage (circular schedule)
+
+  @property
+  def pipeline_iterations(self) -> int:
+    """Iterations of the pipeline loop (parallel/pipeline.py); 1 without a pipeline."""
+    return self.pipeline_microbatches * self.repeats + self.stages - 1
+
+  def stage_params(self, cfg: ModelConfig) -> float:
+    """Parameters one pipeline stage holds: the layers are split over the stages, the
+    embedding, head and final norm are on every stage."""
+    layers = cfg.num_layers * cfg.params_per_layer
+    return cfg.num_params - layers + layers / self.stages
 
   def shards(self, from_stage: int) -> int:
     """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
@@ -220,6 +234,8 @@ def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
   layers = [(d * q, first(f, t)), (d * kv, first(f, t)), (d * kv, first(f, t)),
             (q * d, first(t, f)), (d * m, first(f, t)), (d * m, first(f, t)), (m * d, first(t, f)),
             (d, f), (d, f)]
+  if shape.stages > 1:   # the stacked layer axis is split over `stage`: the first sharded dimension
+    layers = [(n, shape.stages) for n, _ in layers]
   vocab = [(cfg.embedding_params, first(t, f))]           # [vocab, embed]
   if not cfg.tie_embeddings:
     vocab.append((cfg.embedding_params, first(f, t)))    # the head: [embed, vocab]
@@ -254,7 +270,7 @@ def _moment_ways(n: int, ways: int, shape: StepShape) -> int:
 def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes of both Adam moments on one device."""
   if shape.adam_bits == 32:
-    return 2 * moment_bytes(cfg, policy, shape) / shape.shards(from_stage=1)
+    return 2 * shape.stage_params(cfg) * policy.param_bytes / shape.shards(from_stage=1)
   total = 0
   for n, ways in param_leaves(cfg, shape):
     if n >= QUANTIZED_MIN_SIZE:
@@ -266,10 +282,21 @@ def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
 
 
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """The activations every layer saves for the backward pass (stacked over layers)."""
+  """The activations every layer saves for the backward pass (stacked over layers). In a
+  pipeline, a stage runs its layers on 1/M of the rows at every iteration, bubble included."""
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
-  return shape.tokens * cfg.num_layers * sum(saved.values())
+  runs = shape.pipeline_iterations / (shape.pipeline_microbatches * shape.repeats * shape.stages)
+  return shape.tokens * cfg.num_layers * runs * sum(saved.values())
+
+
+def pipeline_ring_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """A stage's ring of activation slots (parallel/pipeline.py: the batch's M microbatches, the
+  last stage's M outputs, a spare) and its gradient in the backward pass."""
+  if shape.stages == 1:
+    return 0
+  M = shape.pipeline_microbatches
+  return 2 * (2 * M + 1) * shape.tokens / M * cfg.d_model * policy.compute_bytes
 
 
 def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
@@ -328,7 +355,7 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   forward pass saved for the backward."""
   if not upcasts(policy, shape.backend):
     return 0
-  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
   if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
     return weights * FP32
   if cfg.remat == 'none':
@@ -420,19 +447,22 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   the moments and the update are the adapters' alone (as fp32 Adam, whatever `adam_bits`: the
   adapters are small); the activation terms are the full model's, since the backward pass still
   runs through every layer. The base is sharded like parameters."""
-  n = cfg.num_params
+  n = shape.stage_params(cfg)
   p = policy.param_bytes
   params = n * p / shape.shards(from_stage=3)
   grads = n * p / shape.shards(from_stage=2)
   optimizer = optimizer_bytes(cfg, policy, shape)
   if frozen is not None:
-    n = frozen.trainable
-    params = (frozen.base_bytes + n * p) / shape.shards(from_stage=3)
+    on_stage = n / cfg.num_params   # the base's share on one stage
+    n = frozen.trainable * on_stage
+    params = (frozen.base_bytes * on_stage + n * p) / shape.shards(from_stage=3)
     grads = n * p / shape.shards(from_stage=2)
     optimizer = 2 * n * p / shape.shards(from_stage=1)
-  saved = activation_bytes(cfg, policy, shape)
+  saved = activation_bytes(cfg, policy, shape) + pipeline_ring_bytes(cfg, policy, shape)
   microbatch_grads = grads if shape.microbatches > 1 else 0
-  layer = layer_phase_bytes(cfg, policy, shape)
+  # A pipeline stage runs a layer on one pipeline microbatch at a time.
+  layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
+      shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches))
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   update = (update_bytes(cfg, policy, shape) if frozen is None else
             {'chain': n * (FP32 + (p if p < FP32 else 0)) / shape.shards(from_stage=1)})

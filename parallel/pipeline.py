@@ -89,6 +89,22 @@ class PipelineSchedule:
     return {k: v.astype(np.int32) for k, v in
             dict(write=write, read=read, chunk=chunk, microbatch=item % M).items()}
 
+  def report(self, num_layers: int, collectives: dict) -> dict:
+    """memory.json's `pipeline` block: the schedule, its bubble (from the table the compiled loop
+    reads, beside GPipe's formula (P - 1) / (M R + P - 1)) and the step's collective-permutes
+    (`collectives`: parallel.collectives.collective_stats of the compiled step)."""
+    P, M, R = self.stages, self.microbatches, self.repeats
+    return {
+        'schedule': self.name, 'stages': P, 'repeats': R, 'microbatches': M,
+        'layers_per_stage': num_layers // P, 'iterations': self.iterations,
+        'bubble_fraction': self.bubble_fraction,
+        'bubble_formula': (P - 1) / (M * R + P - 1),
+        # Every stage runs the same program: each keeps the activations of all its iterations
+        # for the backward pass (the first stage's M in-flight microbatches, and the bubble's).
+        'saved_iterations_per_stage': self.iterations,
+        'collective_permute': collectives['collective-permute'],
+    }
+
   def layers_per_chunk(self, num_layers: int) -> int:
     return num_layers // (self.stages * self.repeats)
 

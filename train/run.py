@@ -141,7 +141,8 @@ def compile_train_step(s: Setup):
 
 def memory_report(s: Setup, compiled) -> dict:
   trainable, base = s.spec.sizes()
-  return {
+  collectives = collective_stats(compiled.as_text(), s.mesh.size)
+  report = {
       'num_params': s.model.num_params,
       'trainable_params': trainable,
       'frozen_bytes': base,
@@ -152,8 +153,11 @@ def memory_report(s: Setup, compiled) -> dict:
       # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
       # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
       'estimate_gpu_bytes': estimated_bytes(s, backend='gpu'),
-      'collectives_per_step': collective_stats(compiled.as_text(), s.mesh.size),
+      'collectives_per_step': collectives,
   }
+  if s.pipeline is not None:
+    report['pipeline'] = s.pipeline.report(s.model.num_layers, collectives)
+  return report
 
 
 def estimated_bytes(s: Setup, backend: str | None = None) -> dict:
@@ -165,7 +169,10 @@ def estimated_bytes(s: Setup, backend: str | None = None) -> dict:
                     zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
                     adam_bits=s.config.quant.adam_bits,
                     adam_block_size=s.config.quant.adam_block_size,
-                    backend=backend or s.mesh.devices.flat[0].platform)
+                    backend=backend or s.mesh.devices.flat[0].platform,
+                    **({} if s.pipeline is None else dict(
+                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
+                        repeats=s.pipeline.repeats)))
   trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)

@@ -30,6 +30,12 @@ def print_summary(s, memory: dict) -> None:
             'a checkpoint with --config.init_from=hf:DIR or run:DIR')
   print(f'layout      zero_stage {s.config.parallel.zero_stage}; batch {s.config.train.batch_size} '
         f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
+  pipe = memory.get('pipeline')
+  if pipe:
+    print(f'pipeline    {pipe["schedule"]}: {pipe["stages"]} stages x {pipe["repeats"]} chunk(s) of '
+          f'{pipe["layers_per_stage"] // pipe["repeats"]} layer(s), {pipe["microbatches"]} '
+          f'microbatches, {pipe["iterations"]} iterations; bubble {pipe["bubble_fraction"]:.1%} of '
+          f'stage-iterations')
   b = format_bytes
   print(f'memory      per device, compiled: {b(compiled["total"])} = arguments '
         f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
