@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen
+from jax.sharding import PartitionSpec
 
 STAGE_AXIS = 'stage'
 SCHEDULES = ('gpipe', 'circular')
@@ -153,7 +154,11 @@ def pipelined(schedule: PipelineSchedule):
     def by_stage(a):   # [L, ...] -> [P, R, chunk, ...]: chunk r * P + p of the model on stage p
       return a.reshape(R, P, chunk, *a.shape[1:]).swapaxes(0, 1)
 
-    stage_layers = jax.tree.map(by_stage, layers)
+    # Placed on their stages here, once per step (for circular, a re-layout: the stored order is
+    # contiguous); left to itself XLA moves them inside the loop, at every iteration.
+    on_stages = lambda a: jax.lax.with_sharding_constraint(
+        a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
+    stage_layers = jax.tree.map(lambda a: on_stages(by_stage(a)), layers)
     stage_keys = None if keys is None else by_stage(keys)
     micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
     # Every stage has its own ring with its own copy of the batch (each device held the batch
