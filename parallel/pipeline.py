@@ -160,6 +160,9 @@ def pipelined(schedule: PipelineSchedule):
         a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
     stage_layers = jax.tree.map(lambda a: on_stages(by_stage(a)), layers)
     stage_keys = None if keys is None else by_stage(keys)
+    if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
+      stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
+      stage_keys = None if keys is None else stage_keys[:, 0]
     micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
     # Every stage has its own ring with its own copy of the batch (each device held the batch
     # already), so that the batch's gradient is summed per stage and reduced over the stages
@@ -167,15 +170,28 @@ def pipelined(schedule: PipelineSchedule):
     ring = jnp.concatenate([micro, jnp.zeros((M + 1,) + micro.shape[1:], micro.dtype)])
     ring = jnp.broadcast_to(ring, (P,) + ring.shape)
 
+    def run_chunk(weights, keys, held, chunk_index, microbatch):
+      """The chunk of layers the item is at (one of the stage's `repeats`)."""
+      if R > 1:
+        weights = jax.tree.map(lambda w: w[chunk_index], weights)
+        keys = None if keys is None else keys[chunk_index]
+      if keys is not None:   # a dropout mask per layer and microbatch
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys)
+      return _scan_chunk(layer, weights, held, keys)
+
+    if R > 1:
+      # The chunk's weights are picked per iteration; the backward pass would keep that pick,
+      # a copy of a chunk's weights per iteration. Recomputing the chunk's forward instead keeps
+      # only its input (one more forward pass of the layers).
+      run_chunk = jax.checkpoint(run_chunk, policy=jax.checkpoint_policies.nothing_saveable,
+                                 prevent_cse=False)
+
     def stage_step(weights, keys, ring, held, write, read, chunk_index, microbatch):
-      """One stage at one iteration: file the activation held, take the one to work on, run the
-      chunk of layers the item is at."""
+      """One stage at one iteration: file the activation held, take the one to work on, run it
+      through the chunk of layers its item is at."""
       ring = jax.lax.dynamic_update_index_in_dim(ring, held, write, 0)
       held = ring[read]
-      weights = jax.tree.map(lambda w: w[chunk_index], weights)
-      if keys is not None:   # a dropout mask per layer and microbatch
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys[chunk_index])
-      return _scan_chunk(layer, weights, held, keys), ring
+      return run_chunk(weights, keys, held, chunk_index, microbatch), ring
 
     run_stages = jax.vmap(stage_step, in_axes=(0, None if keys is None else 0, 0, 0, 0, 0, 0, 0),
                           spmd_axis_name=STAGE_AXIS)

@@ -1,0 +1,184 @@
+"""Pipeline parallelism (parallel/pipeline.py): the schedule's table and moves, the same losses and
+parameters as one device for gpipe and circular with fsdp or tensor parallelism inside the stages,
+checkpoints that move between pipelined and plain meshes, and bad settings refused in one line."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from configs import default
+from configs.layouts import layout_config
+from parallel.pipeline import PipelineSchedule
+from tests.helpers import random_tokens, reordered_rtol
+from train import checks, run
+from train.checkpoint import Checkpointer
+
+# Wide enough for 2-way fsdp and tensor splits, deep enough for 4 stages x 2 chunks.
+SHAPE = {'model.d_model': 64, 'model.num_heads': 4, 'model.num_kv_heads': 4, 'model.mlp_dim': 128,
+         'model.num_layers': 8, 'train.seq_len': 16}
+
+
+def config(batch_size: int, **overrides):
+  c = layout_config('pipeline', 'tiny')
+  for key, value in {**SHAPE, 'train.batch_size': batch_size, **overrides}.items():
+    default.override(c, key, value)
+  return c
+
+
+def single_device(batch_size: int):
+  return config(batch_size, **{'mesh': dict(stage=1, data=1, fsdp=1, tensor=1),
+                               'parallel.zero_stage': 0})
+
+
+def train(c, devices=None, steps: int = 3):
+  """(losses, final parameters as numpy, the setup) of `steps` steps from the seed's state."""
+  s = run.setup(c, devices)
+  state, losses = s.layout.init(), []
+  for i in range(steps):
+    tokens = random_tokens((c.train.batch_size, c.train.seq_len + 1), seed=i)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+    with s.context():
+      state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
+                                            for k, v in batch.items()})
+    losses.append(float(metrics['loss']))
+  return losses, jax.tree.map(np.asarray, jax.device_get(state['params'])), s
+
+
+# ---- the schedule ----------------------------------------------------------------------------
+@pytest.mark.parametrize('stages,microbatches,repeats', [(4, 4, 1), (4, 8, 1), (2, 3, 1),
+                                                         (4, 4, 2), (4, 6, 3), (8, 8, 2)])
+def test_every_item_visits_every_stage_once_in_order_and_the_bubble_is_the_formula(
+    stages, microbatches, repeats):
+  schedule = PipelineSchedule('circular' if repeats > 1 else 'gpipe', stages, microbatches, repeats)
+  table = schedule.table()
+  assert table.shape == (microbatches * repeats + stages - 1, stages)
+  for p in range(stages):
+    worked = table[:, p][table[:, p] >= 0]
+    np.testing.assert_array_equal(worked, np.arange(microbatches * repeats))   # each once, in order
+  assert schedule.bubble_fraction == pytest.approx(
+      (stages - 1) / (microbatches * repeats + stages - 1))
+
+
+@pytest.mark.parametrize('stages,microbatches,repeats', [(4, 4, 1), (2, 5, 1), (4, 4, 2),
+                                                         (3, 5, 3), (8, 8, 2)])
+def test_the_moves_give_each_stage_the_activation_of_its_item(stages, microbatches, repeats):
+  """Runs the ring with labels instead of activations: a stage's work turns (microbatch, chunk c)
+  into (microbatch, c + 1), and every stage must hold the label of the item the table says."""
+  schedule = PipelineSchedule('circular' if repeats > 1 else 'gpipe', stages, microbatches, repeats)
+  M, P = microbatches, stages
+  moves, table = schedule.moves(), schedule.table()
+  ring = [[(m, 0) for m in range(M)] + [None] * (M + 1) for _ in range(P)]
+  held = [None] * P
+  for t in range(schedule.iterations):
+    for p in range(P):
+      ring[p][moves['write'][t, p]] = held[p]
+      held[p] = ring[p][moves['read'][t, p]]
+      item = table[t, p]
+      if item >= 0:
+        m, r = item % M, item // M
+        assert held[p] == (m, r * P + p), (t, p)            # chunk r * P + p is next for it
+        assert (moves['chunk'][t, p], moves['microbatch'][t, p]) == (r, m)
+        held[p] = (m, r * P + p + 1)
+    held = held[-1:] + held[:-1]                            # every activation one stage on
+  ring[0][schedule.final_slot] = held[0]
+  assert ring[0][M:2 * M] == [(m, P * repeats) for m in range(M)]   # through every chunk
+
+
+# ---- against one device ----------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def reference():
+  """Single-device losses and parameters, per global batch size."""
+  cache = {}
+
+  def get(batch_size):
+    if batch_size not in cache:
+      cache[batch_size] = train(single_device(batch_size), devices=jax.devices()[:1])[:2]
+    return cache[batch_size]
+  return get
+
+
+PIPELINES = {
+    # name: (batch, overrides)
+    'gpipe-fsdp-M4': (8, {}),   # the layout: 4 stages x 2-way fsdp (ZeRO-3)
+    'circular-fsdp-M8': (16, {'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2,
+                              'parallel.pipeline_microbatches': 8}),
+    'gpipe-tensor-M8': (16, {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2), 'parallel.zero_stage': 0,
+                             'parallel.pipeline_microbatches': 8}),
+    'circular-tensor-M4': (16, {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
+                                'parallel.zero_stage': 1, 'parallel.pipeline_schedule': 'circular',
+                                'parallel.pipeline_repeats': 2, 'train.microbatches': 2}),
+}
+
+
+@pytest.mark.parametrize('name', list(PIPELINES))
+def test_losses_and_parameters_equal_the_single_device_run(name, reference):
+  batch, overrides = PIPELINES[name]
+  losses, params, s = train(config(batch, **overrides))
+  assert s.mesh.size == 8 and s.pipeline is not None
+  want_losses, want_params = reference(batch)
+  # The same terms summed in another order (per microbatch, per device, across devices).
+  tokens = batch * s.config.train.seq_len
+  np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(tokens))
+  # Three Adam steps from the same gradients up to summation order: each step moves a weight by
+  # at most the learning rate, and a reordered gradient changes that by a few fp32 ulps of it.
+  lr = s.config.train.learning_rate
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=3 * lr * 1e-3)
+
+
+def test_the_dry_run_reports_the_compiled_schedule():
+  s = run.setup(config(8))
+  compiled = run.compile_train_step(s)
+  memory = run.memory_report(s, compiled)
+  pipe = memory['pipeline']
+  assert pipe['bubble_fraction'] == pytest.approx(pipe['bubble_formula']) == pytest.approx(3 / 7)
+  assert (pipe['stages'], pipe['microbatches'], pipe['iterations']) == (4, 4, 7)
+  # Activations move between stages by collective-permute: at least one forward and one backward
+  # per iteration of the loop, and the loop the compiler built runs the table's iterations.
+  assert pipe['collective_permute'] == memory['collectives_per_step']['collective-permute']
+  assert pipe['collective_permute']['count'] >= 2 * pipe['iterations']
+  assert 'known_trip_count={"n":"7"}' in compiled.as_text()
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
+  pipelined = run.setup(config(8))
+  plain = run.setup(config(8, **{'mesh': dict(stage=1, data=1, fsdp=8, tensor=1)}))
+  with pipelined.context():
+    state = pipelined.layout.init()
+  saved = jax.tree.map(np.asarray, jax.device_get(state['params']))
+  first = Checkpointer(str(tmp_path / 'a'), keep=1)
+  first.save(1, state, {}, {})
+  first.wait()
+  on_plain, _ = first.restore(1, plain.layout.abstract)
+  assert on_plain['params']['blocks']['mlp']['gate']['kernel'].sharding.spec[0] is None
+  second = Checkpointer(str(tmp_path / 'b'), keep=1)
+  second.save(1, on_plain, {}, {})
+  second.wait()
+  back, _ = second.restore(1, pipelined.layout.abstract)
+  assert back['params']['blocks']['mlp']['gate']['kernel'].sharding.spec[0] == 'stage'
+  for restored in (on_plain, back):
+    for got, want in zip(jax.tree.leaves(jax.device_get(restored['params'])), jax.tree.leaves(saved)):
+      np.testing.assert_array_equal(got, want)
+  first.close()
+  second.close()
+
+
+# ---- refusals --------------------------------------------------------------------------------
+@pytest.mark.parametrize('overrides,message', [
+    ({'model.num_layers': 6}, 'model.num_layers=6 does not split into mesh.stage=4'),
+    ({'parallel.pipeline_microbatches': 2}, 'parallel.pipeline_microbatches=2 with mesh.stage=4'),
+    ({'parallel.pipeline_microbatches': 8}, 'does not divide the 4 rows'),
+    ({'parallel.pipeline_schedule': 'zigzag'}, "parallel.pipeline_schedule='zigzag'; allowed"),
+    ({'parallel.pipeline_repeats': 2}, "parallel.pipeline_repeats=2 with parallel.pipeline_schedule='gpipe'"),
+    ({'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 3},
+     'mesh.stage=4 x parallel.pipeline_repeats=3 = 12 chunks'),
+    ({'mesh': dict(stage=3, data=1, fsdp=-1, tensor=1)}, 'cannot fill 8 devices'),
+    ({'precision': 'bf16_mixed', 'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed'},
+     'quant.fp8_scaling=delayed with mesh.stage > 1'),
+])
+def test_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
+  with pytest.raises(checks.ConfigError, match=re.escape(message)) as e:
+    run.setup(config(8, **overrides))
+  assert '\n' not in str(e.value)
