@@ -23,6 +23,8 @@ _PLAN = flags.DEFINE_bool('plan', False, 'Find the fastest recipe that fits --ta
                           'simulated CPU devices), and write it as a config file.')
 _TARGET = flags.DEFINE_string('target', None, 'With --plan: <N>x<GPU>, e.g. 8xA100-80GB, 64xH100-80GB, '
                               '1xRTX4090-24GB, or <N>x<M>GB.')
+_PLAN_STAGES = flags.DEFINE_bool('plan_stages', True, 'With --plan: pipeline stages may be chosen '
+                                  '(targets of several nodes).')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-host: host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-host: number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index.')
@@ -160,7 +162,8 @@ def main(argv):
       from plan.report import run_plan
       from plan.search import PlanError
       try:
-        run_plan(config, target, workdir, ' '.join(['python', 'main.py', *sys.argv[1:]]))
+        run_plan(config, target, workdir, ' '.join(['python', 'main.py', *sys.argv[1:]]),
+                 stages=_PLAN_STAGES.value)
       except (PlanError, FileExistsError) as e:
         sys.exit(f'error: {e}')
       return

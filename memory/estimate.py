@@ -283,20 +283,29 @@ def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
 
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """The activations every layer saves for the backward pass (stacked over layers). In a
-  pipeline, a stage runs its layers on 1/M of the rows at every iteration, bubble included."""
+  pipeline, a stage runs its layers on 1/M of the rows at every iteration, bubble included
+  (gpipe); circular keeps less (below)."""
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
   runs = shape.pipeline_iterations / (shape.pipeline_microbatches * shape.repeats * shape.stages)
+  if shape.repeats > 1:
+    # Circular: a chunk's forward is recomputed in the backward pass, so each iteration keeps only
+    # its input (a d_model row per token), and one chunk's saved activations exist at a time.
+    c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
+    chunk_layers = cfg.num_layers / (shape.stages * shape.repeats)
+    per_iteration = shape.tokens / shape.pipeline_microbatches
+    return per_iteration * (shape.pipeline_iterations * cfg.d_model * c
+                            + chunk_layers * sum(saved.values()))
   return shape.tokens * cfg.num_layers * runs * sum(saved.values())
 
 
 def pipeline_ring_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """A stage's ring of activation slots (parallel/pipeline.py: the batch's M microbatches, the
-  last stage's M outputs, a spare) and its gradient in the backward pass."""
+  last stage's M outputs, a spare), or in the backward pass its gradient."""
   if shape.stages == 1:
     return 0
   M = shape.pipeline_microbatches
-  return 2 * (2 * M + 1) * shape.tokens / M * cfg.d_model * policy.compute_bytes
+  return (2 * M + 1) * shape.tokens / M * cfg.d_model * policy.compute_bytes
 
 
 def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:

@@ -204,9 +204,11 @@ def pipelined(schedule: PipelineSchedule):
 
     held = jnp.zeros((P,) + micro.shape[1:], micro.dtype)
     (held, ring), _ = jax.lax.scan(iteration, (held, ring), moves)
-    # The last item's output reached stage 0 after the last iteration: file it there too.
-    ring = jax.lax.dynamic_update_index_in_dim(ring[0], held[0], schedule.final_slot, 0)
-    return _join_rows(ring[M:2 * M])
+    # Stage 0's outputs (to every stage), with the last item's, which reached stage 0 after the
+    # last iteration.
+    outputs = jax.lax.dynamic_update_index_in_dim(ring[0, M:2 * M], held[0],
+                                                  schedule.final_slot - M, 0)
+    return _join_rows(outputs)
 
   return stack
 

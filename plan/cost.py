@@ -17,6 +17,11 @@ printed with every plan.
   in the backward, two more when full remat replays the forward) stay within a node and do not
   overlap with compute.
 - The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth.
+- Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
+  stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
+  (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
+  collective-permutes of the activation (forward) and its gradient (backward) at every
+  iteration, over the network between nodes, not overlapped.
 """
 import dataclasses
 
@@ -36,41 +41,58 @@ class Recipe:
   tensor: int         # tensor-parallel degree (within a node)
   remat: str          # none | dots | full
   microbatches: int
+  stages: int = 1                  # pipeline stages (GPipe), across nodes
+  pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
 
   def mesh(self, devices: int) -> dict:
-    ways = devices // self.tensor
-    return (dict(data=ways, fsdp=1, tensor=self.tensor) if self.zero_stage == 0 else
-            dict(data=1, fsdp=ways, tensor=self.tensor))
+    ways = devices // (self.tensor * self.stages)
+    return (dict(stage=self.stages, data=ways, fsdp=1, tensor=self.tensor) if self.zero_stage == 0
+            else dict(stage=self.stages, data=1, fsdp=ways, tensor=self.tensor))
+
+  @property
+  def pipeline_iterations(self) -> int:
+    return self.pipeline_microbatches + self.stages - 1
 
   def __str__(self):
+    pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches'
+                if self.stages > 1 else '')
     return (f'{self.precision}, Adam {self.adam_bits}-bit, ZeRO-{self.zero_stage}, '
-            f'tensor {self.tensor}, remat {self.remat}, {self.microbatches} microbatch(es)')
+            f'tensor {self.tensor}, remat {self.remat}, {self.microbatches} microbatch(es)'
+            f'{pipeline}')
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
                  param_bytes: int, compute_bytes: int) -> dict[str, float]:
-  n, t = target.count, recipe.tensor
-  dp = n // t
+  n, t, P = target.count, recipe.tensor, recipe.stages
+  dp = n // (t * P)
   tokens = batch * seq_len
-  compute = (cfg.flops_per_token(seq_len) * tokens * RECOMPUTE[recipe.remat]
+  # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M.
+  bubble = recipe.pipeline_iterations / recipe.pipeline_microbatches
+  compute = (cfg.flops_per_token(seq_len) * tokens * RECOMPUTE[recipe.remat] * bubble
              / (n * target.peak_bf16 * MFU_ASSUMED))
 
-  weights = cfg.num_params * param_bytes / t      # one tensor shard of the weights (and grads)
+  weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
   f = (dp - 1) / dp
-  m = recipe.microbatches
+  # Per microbatch, and in a pipeline per iteration of its loop (bubble included).
+  m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
               3: m * 3 * f * weights}[recipe.zero_stage]
-  dp_link = target.intra_node if n <= target.per_node else target.inter_node
+  # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
+  dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link
 
-  rows = batch // (dp * m)
+  rows = batch // (dp * recipe.microbatches * recipe.pipeline_microbatches)
   activation = rows * seq_len * cfg.d_model * compute_bytes
-  all_reduces = cfg.num_layers * m * (6 if recipe.remat == 'full' else 4)
+  all_reduces = cfg.num_layers / P * m * (6 if recipe.remat == 'full' else 4)
   tp_comm = all_reduces * 2 * (t - 1) / t * activation / target.intra_node if t > 1 else 0.0
+  # Every iteration each stage sends its activation on and, backward, its gradient back: over the
+  # network when a stage is a node or more, on the critical path (GPipe does not overlap them).
+  permute_link = target.inter_node if n // P >= target.per_node else target.intra_node
+  pipeline_comm = 2 * m * activation / t / permute_link if P > 1 else 0.0
 
-  sharded = cfg.num_params / (t * (dp if recipe.zero_stage >= 1 else 1))
+  sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
   touched = sharded * (3 * param_bytes + ADAM_BYTES_TOUCHED[recipe.adam_bits])
   optimizer = touched / target.hbm
-  total = max(compute, dp_comm) + tp_comm + optimizer
+  total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,
-          'optimizer': optimizer, 'total': total}
+          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'total': total}

@@ -51,23 +51,23 @@ def write_config(path: str, config, header: str) -> None:
             f'  return ml_collections.ConfigDict(CONFIG)\n')
 
 
-def run_plan(config, target: Target, workdir: str, command: str) -> str:
-  """Returns the path of the written config."""
+def run_plan(config, target: Target, workdir: str, command: str, stages: bool = True) -> str:
+  """Returns the path of the written config. `stages`: pipeline stages may be chosen."""
   print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
         f'{config.train.seq_len} tokens per step')
   print(f'            {assumptions(target)}')
   chosen, ranked = plan(config, target, lambda c: compile_total(c, target.count),
-                        log=lambda line: print(f'            {line}', flush=True))
+                        log=lambda line: print(f'            {line}', flush=True), stages=stages)
   print(f'\n| rank | recipe | estimate per device | step time (estimate) | compute | DP comm | TP comm '
-        f'| compiled per device |')
-  print('|---:|---|---:|---:|---:|---:|---:|---:|')
+        f'| pipeline comm | compiled per device |')
+  print('|---:|---|---:|---:|---:|---:|---:|---:|---:|')
   for i, c in enumerate(ranked[:TOP], 1):
     s = c.seconds
     compiled = (_gb(c.compiled) if isinstance(c.compiled, (int, float)) else
                 'not compiled' if c.compiled is None else 'failed')
     print(f'| {i} | {c.recipe} | {_gb(c.estimate["total"])} | {s["total"]:.2f} s | '
           f'{s["compute"]:.2f} s | {s["data_parallel_comm"]:.2f} s | {s["tensor_comm"]:.2f} s | '
-          f'{compiled} |')
+          f'{s["pipeline_comm"]:.2f} s | {compiled} |')
   tokens = config.train.batch_size * config.train.seq_len
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'planned_config.py')

@@ -1,7 +1,8 @@
 """The planner: every recipe the target can run, the ones the analytic model says fit, ranked by
 estimated step time, the fastest verified by compiling its train step on simulated devices.
 
-A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches (plan/cost.py);
+A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches, and on
+targets of several nodes pipeline stages (GPipe) x pipeline microbatches (plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
 frozen-base storage (a LoRA config is sized with only the adapters training; its step time is
 still the full-training model's, an over-estimate that does not change the ranking by much). A recipe fits when its per-device
@@ -52,17 +53,24 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.mesh = recipe.mesh(devices)
   config.model.remat = recipe.remat
   config.train.microbatches = recipe.microbatches
+  config.parallel.pipeline_schedule = 'gpipe'
+  config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
+  config.parallel.pipeline_repeats = 1
   return config
 
 
-def recipes(config, target: Target) -> list[Recipe]:
+def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
+  """Every recipe the target can run; `stages`: pipeline stages are offered where the target is
+  more than one node (at most one stage per node)."""
   cfg, n, batch = checks.model_config(config), target.count, config.train.batch_size
+  stage_counts = [p for p in _divisors(n) if p == 1 or (
+      stages and n > target.per_node and p <= n // target.per_node and cfg.num_layers % p == 0)]
   found = []
-  for t in _divisors(n):
-    if t > target.per_node or any(size % t for size in (
+  for p, t in itertools.product(stage_counts, _divisors(n)):
+    if n % (p * t) or t > target.per_node or any(size % t for size in (
         cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.mlp_dim)):
       continue
-    dp = n // t
+    dp = n // (p * t)
     if batch % dp:
       continue
     for stage, m, precision, bits, remat in itertools.product(
@@ -75,19 +83,22 @@ def recipes(config, target: Target) -> list[Recipe]:
         continue                # would reshard every step (all-to-all); not offered until fixed
       if bits == 8 and config.lora.rank:   # the adapters' moments are too small to matter
         continue
-      found.append(Recipe(precision, bits, stage, t, remat, m))
+      # GPipe: any count of pipeline microbatches from the stage count up that divides the rows.
+      for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
+        found.append(Recipe(precision, bits, stage, t, remat, m, p, pm))
   return found
 
 
 def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
   cfg = checks.model_config(config)
   policy = get_policy(recipe.precision)
-  dp = target.count // recipe.tensor
+  dp = target.count // (recipe.tensor * recipe.stages)
   shape = StepShape(rows_per_device=config.train.batch_size // (dp * recipe.microbatches),
                     seq_len=config.train.seq_len, fsdp=1 if recipe.zero_stage == 0 else dp,
                     tensor=recipe.tensor, zero_stage=recipe.zero_stage,
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
-                    adam_block_size=config.quant.adam_block_size)
+                    adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
+                    pipeline_microbatches=recipe.pipeline_microbatches)
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
   return Candidate(recipe, estimate(cfg, policy, shape, _frozen(config, recipe.precision)),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
@@ -110,11 +121,13 @@ def _frozen(config, precision: str) -> Frozen | None:
   return _FROZEN_CACHE[key]
 
 
-def plan(config, target: Target, compile_total, log=print) -> tuple[Candidate, list[Candidate]]:
+def plan(config, target: Target, compile_total, log=print,
+         stages: bool = True) -> tuple[Candidate, list[Candidate]]:
   """(the chosen candidate, every candidate ranked). `compile_total(config) -> bytes` compiles a
-  config's train step on `target.count` simulated devices. Raises PlanError when nothing fits."""
+  config's train step on `target.count` simulated devices; `stages`: pipeline stages may be
+  chosen (multi-node targets). Raises PlanError when nothing fits."""
   budget = target.memory * (1 - MARGIN)
-  candidates = [evaluate(config, r, target) for r in recipes(config, target)]
+  candidates = [evaluate(config, r, target) for r in recipes(config, target, stages)]
   if not candidates:
     raise PlanError(f'no recipe can split batch {config.train.batch_size} over {target}: the '
                     f'global batch must divide over the data-parallel devices')
