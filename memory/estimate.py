@@ -413,6 +413,16 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
 
 
+def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Circular under ZeRO-3: the chunk whose forward is recomputed has its weights gathered for
+  that forward and holds them through its backward."""
+  if shape.repeats == 1 or not shape.gathers_params:
+    return 0
+  layers = cfg.num_layers / (shape.stages * shape.repeats)
+  return layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
+      FP32 if upcasts(policy, shape.backend) else policy.param_bytes)
+
+
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
   update runs)."""
@@ -467,7 +477,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     params = (frozen.base_bytes * on_stage + n * p) / shape.shards(from_stage=3)
     grads = n * p / shape.shards(from_stage=2)
     optimizer = 2 * n * p / shape.shards(from_stage=1)
-  saved = activation_bytes(cfg, policy, shape) + pipeline_ring_bytes(cfg, policy, shape)
+  saved = activation_bytes(cfg, policy, shape)
+  # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
+  ring = pipeline_ring_bytes(cfg, policy, shape)
   microbatch_grads = grads if shape.microbatches > 1 else 0
   # A pipeline stage runs a layer on one pipeline microbatch at a time.
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
@@ -483,8 +495,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   copies = 0 if frozen is not None and frozen.quantized else cpu_weight_copies(cfg, stored, shape)
   common = microbatch_grads + copies
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
-  layer_phase = {'activations': saved + layer['activations'],
-                 'temporaries': common + layer['weights'] + vocab['held']}
+  layer_phase = {'activations': saved + ring + layer['activations'],
+                 'temporaries': common + layer['weights'] + vocab['held']
+                 + circular_chunk_weights(cfg, policy, shape)}
   reduction_phase = {'activations': 0, 'temporaries': common + vocab['reduction']}
   backward = max(head_phase, layer_phase, reduction_phase, key=lambda phase: sum(phase.values()))
   # The update holds the gradients and the update's buffers; the activations are gone by then.

@@ -28,6 +28,10 @@ CASES = [
               'model.max_seq_len': 1024, 'model.attention': 'flash', 'model.loss_chunk': 256}),
     ('fsdp', {'precision': 'fp32', 'train.seq_len': 1024, 'model.max_seq_len': 1024,
               'model.attention': 'xla'}),
+    # Pipelines: 4 stages x 2-way fsdp, GPipe and circular (bench/pipeline.py runs larger ones).
+    ('pipeline', {'precision': 'fp32', 'model.num_layers': 8}),
+    ('pipeline', {'precision': 'bf16_mixed', 'model.num_layers': 8, 'model.remat': 'full',
+                  'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2}),
 ]
 
 

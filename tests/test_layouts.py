@@ -10,9 +10,9 @@ from configs.layouts import LAYOUTS, layout_config
 from tests.helpers import random_tokens, reordered_rtol
 from train import checks, run
 
-# Wide enough that every dimension divides 8 fsdp ways and 4 tensor ways.
+# Wide enough that every dimension divides 8 fsdp ways and 4 tensor ways, deep enough for 4 stages.
 SHAPE = {'model.d_model': 64, 'model.num_heads': 4, 'model.num_kv_heads': 4, 'model.mlp_dim': 128,
-         'train.batch_size': 8, 'train.seq_len': 16}
+         'model.num_layers': 4, 'train.batch_size': 8, 'train.seq_len': 16}
 
 
 def config_for(layout: str, **overrides):
@@ -86,15 +86,16 @@ def test_replicated_gradients_are_reduced_once_per_step_not_per_microbatch(layou
 
 
 # (parameter spec, Adam moment spec) of the stacked MLP gate kernel [layers, embed, mlp]. The rule
-# tables are the same for every layout, so `mlp` always names `tensor`: where that axis has size 1
-# (every layout but tp and fsdp_tp) it splits nothing.
+# tables are the same for every layout, so `layers` always names `stage` and `mlp` `tensor`: where
+# that axis has size 1 (every layout but pipeline; but tp and fsdp_tp) it splits nothing.
 EXPECTED_GATE_SPECS = {
-    'ddp': (P(None, None, 'tensor'), P(None, None, 'tensor')),
-    'zero1': (P(None, None, 'tensor'), P(None, 'fsdp', 'tensor')),
-    'zero2': (P(None, None, 'tensor'), P(None, 'fsdp', 'tensor')),
-    'fsdp': (P(None, 'fsdp', 'tensor'), P(None, 'fsdp', 'tensor')),
-    'tp': (P(None, None, 'tensor'), P(None, None, 'tensor')),
-    'fsdp_tp': (P(None, 'fsdp', 'tensor'), P(None, 'fsdp', 'tensor')),
+    'ddp': (P('stage', None, 'tensor'), P('stage', None, 'tensor')),
+    'zero1': (P('stage', None, 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'zero2': (P('stage', None, 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'fsdp': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'tp': (P('stage', None, 'tensor'), P('stage', None, 'tensor')),
+    'fsdp_tp': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'pipeline': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
 }
 
 
@@ -120,14 +121,14 @@ def test_parameter_and_optimizer_state_shardings_are_the_expected_specs(layout):
   assert _normalise(adam.mu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
   assert _normalise(adam.nu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
   embedding = state['params']['embedding'].sharding.spec
-  expected_embedding = P('tensor', 'fsdp' if layout in ('fsdp', 'fsdp_tp') else None)
+  expected_embedding = P('tensor', 'fsdp' if layout in ('fsdp', 'fsdp_tp', 'pipeline') else None)
   assert _normalise(embedding) == _normalise(expected_embedding)
 
 
 def expected_spec(axes: tuple, fsdp_sharded: bool) -> P:
   """What the rule tables promise, written out independently of parallel/rules.py."""
   mesh_axis = {'embed': 'fsdp' if fsdp_sharded else None, 'heads': 'tensor', 'kv_heads': 'tensor',
-               'mlp': 'tensor', 'vocab': 'tensor'}
+               'mlp': 'tensor', 'vocab': 'tensor', 'layers': 'stage'}
   return P(*(mesh_axis.get(a) for a in axes))
 
 
@@ -144,7 +145,7 @@ WEIGHTS = {  # path in params -> logical axes
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_every_kind_of_weight_and_its_moments_are_placed_as_the_stage_promises(layout):
   s = run.setup(config_for(layout))
-  params_sharded = layout in ('fsdp', 'fsdp_tp')
+  params_sharded = layout in ('fsdp', 'fsdp_tp', 'pipeline')
   moments_sharded = layout not in ('ddp', 'tp')
   params, moments = s.layout.shardings['params'], s.layout.shardings['opt_state'][1][0].mu
   for path, axes in WEIGHTS.items():

@@ -120,11 +120,16 @@ def test_losses_and_parameters_equal_the_single_device_run(name, reference):
   # The same terms summed in another order (per microbatch, per device, across devices).
   tokens = batch * s.config.train.seq_len
   np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(tokens))
-  # Three Adam steps from the same gradients up to summation order: each step moves a weight by
-  # at most the learning rate, and a reordered gradient changes that by a few fp32 ulps of it.
+  # Adam divides every gradient by its own running RMS, so a weight whose gradients nearly cancel
+  # over the steps amplifies the summation-order noise of its gradient sum: such weights (a few
+  # in 10^5 here) may differ by a fraction of one step (lr); every other weight follows the same
+  # trajectory to fp32 noise. A wrong pipeline (a layer out of order, a microbatch lost) moves
+  # nearly every weight by the order of a step.
   lr = s.config.train.learning_rate
-  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-    np.testing.assert_allclose(got, want, rtol=0, atol=3 * lr * 1e-3)
+  diff = np.concatenate([np.abs(got - want).ravel() for got, want in
+                         zip(jax.tree.leaves(params), jax.tree.leaves(want_params))])
+  assert np.quantile(diff, 0.999) <= 1e-3 * lr
+  assert diff.max() <= 0.1 * lr
 
 
 def test_the_dry_run_reports_the_compiled_schedule():
@@ -138,7 +143,7 @@ def test_the_dry_run_reports_the_compiled_schedule():
   # per iteration of the loop, and the loop the compiler built runs the table's iterations.
   assert pipe['collective_permute'] == memory['collectives_per_step']['collective-permute']
   assert pipe['collective_permute']['count'] >= 2 * pipe['iterations']
-  assert 'known_trip_count={"n":"7"}' in compiled.as_text()
+  assert '"known_trip_count":{"n":"7"}' in compiled.as_text()
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
@@ -152,12 +157,14 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
   first.save(1, state, {}, {})
   first.wait()
   on_plain, _ = first.restore(1, plain.layout.abstract)
-  assert on_plain['params']['blocks']['mlp']['gate']['kernel'].sharding.spec[0] is None
+  layers_per_device = lambda state: (
+      state['params']['blocks']['mlp']['gate']['kernel'].addressable_shards[0].data.shape[0])
+  assert layers_per_device(on_plain) == 8   # every layer on every device
   second = Checkpointer(str(tmp_path / 'b'), keep=1)
   second.save(1, on_plain, {}, {})
   second.wait()
   back, _ = second.restore(1, pipelined.layout.abstract)
-  assert back['params']['blocks']['mlp']['gate']['kernel'].sharding.spec[0] == 'stage'
+  assert layers_per_device(back) == 2       # a stage's 8 / 4 layers
   for restored in (on_plain, back):
     for got, want in zip(jax.tree.leaves(jax.device_get(restored['params'])), jax.tree.leaves(saved)):
       np.testing.assert_array_equal(got, want)
