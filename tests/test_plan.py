@@ -1,12 +1,13 @@
 """The planner: targets parsed or refused in one line, nothing-fits said with by how much, and the
 recipe it returns compiles within the target's memory."""
+import dataclasses
 import importlib.util
 import os
 
 import pytest
 
 from configs import default
-from plan.search import MARGIN, PlanError, plan, recipes
+from plan.search import MARGIN, PlanError, evaluate, plan, recipes
 from plan.target import TargetError, parse_target
 from plan.report import compile_total, run_plan
 
@@ -42,6 +43,22 @@ def test_recipes_respect_the_mesh_and_the_batch():
   assert not any(r.adam_bits == 8 and r.tensor > 1 for r in found)
 
 
+def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
+  config = default.get_config('70b')     # 80 layers, batch 256
+  one_node, eight_nodes = parse_target('8xH100-80GB'), parse_target('64xH100-80GB')
+  assert all(r.stages == 1 for r in recipes(config, one_node))
+  staged = [r for r in recipes(config, eight_nodes) if r.stages > 1]
+  assert {r.stages for r in staged} == {2, 4, 8}          # divisors of 80 layers, one node or more each
+  assert all(r.pipeline_microbatches >= r.stages for r in staged)
+  assert not any(r.stages > 1 for r in recipes(config, eight_nodes, stages=False))
+  # The same recipe with and without stages: compute stretched by (M + P - 1) / M.
+  piped = next(r for r in staged if r.stages == 4 and r.pipeline_microbatches == 16)
+  flat = dataclasses.replace(piped, stages=1, pipeline_microbatches=1)
+  seconds = lambda r: evaluate(config, r, eight_nodes).seconds
+  assert seconds(piped)['compute'] == pytest.approx(seconds(flat)['compute'] * (16 + 3) / 16)
+  assert seconds(piped)['pipeline_comm'] > 0 == seconds(flat)['pipeline_comm']
+
+
 def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
   """A small model on a target so small that most recipes do not fit: what comes back fits when
   compiled, and the config file it writes loads and names that recipe."""
@@ -62,8 +79,8 @@ def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
 
 @pytest.mark.parametrize('args, message', [
     (['--target=8xA100'], "unknown GPU 'A100'"),
-    (['--target=16xH100-80GB', '--config=configs/fsdp.py:70b', '--config.train.batch_size=3'],
-     'no recipe can split batch 3 over 16xH100-80GB'),
+    (['--target=16xH100-80GB', '--config=configs/fsdp.py:70b', '--config.train.batch_size=3',
+      '--noplan_stages'], 'no recipe can split batch 3 over 16xH100-80GB'),
     (['--config=configs/fsdp.py:70b', '--target=1xRTX4090-24GB'], 'nothing fits 1xRTX4090-24GB'),
 ])
 def test_main_reports_plan_errors_in_one_line(tmp_path, args, message):
