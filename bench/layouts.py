@@ -34,7 +34,7 @@ def main(argv):
   from memory.compiled import GiB
   from train import checks, run
 
-  print('| layout | mesh (data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '
+  print('| layout | mesh (stage, data, fsdp, tensor) | ZeRO formula | compiled arguments | temp | total '
         '| estimate | all-gather | all-reduce | reduce-scatter | other collectives |')
   print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for layout in LAYOUTS:
@@ -53,7 +53,7 @@ def main(argv):
     formula = zero_formula(layout, psi, shape['fsdp'])
     other = sum(collectives[k]['bytes'] for k in ('all-to-all', 'collective-permute'))
     gib = lambda b: f'{b / GiB:.3f}'
-    print(f'| {layout} | {shape["data"]}, {shape["fsdp"]}, {shape["tensor"]} | '
+    print(f'| {layout} | {shape["stage"]}, {shape["data"]}, {shape["fsdp"]}, {shape["tensor"]} | '
           f'{gib(formula) if formula else "-"} | {gib(compiled["arguments"])} | {gib(compiled["temp"])} '
           f'| {gib(compiled["total"])} | {gib(memory["estimate_bytes"]["total"])} '
           f'| {gib(collectives["all-gather"]["bytes"])} | {gib(collectives["all-reduce"]["bytes"])} '

@@ -135,8 +135,9 @@ def table_row(row: dict, unit: str) -> str:
   scale = 2.0**30 if unit == 'GiB' else 2.0**20
   digits = 2 if unit == 'GiB' else 1
   mesh = row['mesh']
-  devices = mesh['data'] * mesh['fsdp'] * mesh['tensor']
-  return (f'| {row["config"]} | {devices} ({mesh["data"]}, {mesh["fsdp"]}, {mesh["tensor"]}) '
+  devices = mesh.get('stage', 1) * mesh['data'] * mesh['fsdp'] * mesh['tensor']
+  stage = f'{mesh["stage"]} stages x ' if mesh.get('stage', 1) > 1 else ''
+  return (f'| {row["config"]} | {devices} ({stage}{mesh["data"]}, {mesh["fsdp"]}, {mesh["tensor"]}) '
           f'| {row["compiled"] / scale:,.{digits}f} | {row["estimate"] / scale:,.{digits}f} '
           f'| {100 * row["error"]:+.1f} % '
           f'| {row["worst_part"]} {row["worst_gap"] / scale:+,.{digits}f} |')
