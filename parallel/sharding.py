@@ -66,3 +66,18 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
+
+
+def process_feed(mesh: Mesh, rules) -> tuple[int, int]:
+  """(index, count): this process feeds block `index` of `count` equal, contiguous blocks of the
+  global batch's rows (the blocks its devices hold). Processes whose devices hold the same rows,
+  such as the stages of a pipeline (the batch is whole on every stage), feed the same block."""
+  sharding = batch_sharding(mesh, rules)
+  ways = shard_ways(mesh, sharding.spec[0])
+  held = sorted({index[0].start or 0
+                 for index in sharding.addressable_devices_indices_map((ways, 1)).values()})
+  if held != list(range(held[0], held[0] + len(held))):
+    raise ValueError(f'this process\'s devices hold batch blocks {held} of {ways}, which are not '
+                     f'contiguous; order the mesh so that each process holds adjacent data-parallel '
+                     f'devices')
+  return held[0] // len(held), ways // len(held)

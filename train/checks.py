@@ -88,7 +88,8 @@ def model_spec(config) -> ModelSpec:
 
 
 def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int) -> None:
-  """Shape checks that need to know how many ways the batch is split."""
+  """Shape checks that need to know how many ways the batch is split. `process_count`: the
+  processes that feed distinct rows (parallel/sharding.py:process_feed)."""
   model, train = model_config(config), config.train
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
               'eval_batches', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
@@ -127,7 +128,8 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
         f'devices x train.microbatches={train.microbatches} = {per_step}; use a multiple of {per_step}')
   if train.batch_size % process_count:
     raise ConfigError(f'train.batch_size={train.batch_size} is not divisible by the '
-                      f'{process_count} processes; use a multiple of {process_count}')
+                      f'{process_count} processes that feed distinct rows; use a multiple of '
+                      f'{process_count}')
   if config.quant.adam_bits not in ADAM_BITS:
     raise ConfigError(f'quant.adam_bits={config.quant.adam_bits!r}; allowed: '
                       f'{", ".join(map(str, ADAM_BITS))}')

@@ -18,8 +18,8 @@ from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.pipeline import PipelineSchedule, pipelined
-from parallel.rules import DATA_PARALLEL_AXES, layout_rules
-from parallel.sharding import batch_sharding, replicated
+from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
+from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
 from train import checks, init_from
 from train.checkpoint import Checkpointer, CheckpointError
@@ -45,6 +45,7 @@ class Setup:
   batch_sharding: jax.sharding.NamedSharding
   block_axes: dict | None   # 8-bit Adam: parameter path -> the dimension its moments are blocked from
   pipeline: PipelineSchedule | None = None   # mesh.stage > 1
+  feed: tuple[int, int] = (0, 1)   # this process feeds block `feed[0]` of `feed[1]` of the batch rows
 
   @property
   def stack(self):
@@ -69,8 +70,11 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
     mesh = make_mesh(dict(config.mesh), devices)
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
-  checks.check_config(config, data_parallel=data_parallel_size(mesh),
-                      process_count=jax.process_count(),
+  try:
+    feed = process_feed(mesh, ACTIVATIONS)
+  except ValueError as e:
+    raise checks.ConfigError(str(e)) from None
+  checks.check_config(config, data_parallel=data_parallel_size(mesh), process_count=feed[1],
                       tokenizer_vocab=make_tokenizer(config).vocab_size)
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
@@ -99,7 +103,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
-               None if block_axes is None else _flat_paths(block_axes), schedule)
+               None if block_axes is None else _flat_paths(block_axes), schedule, feed)
 
 
 def _flat_paths(tree) -> dict:
@@ -246,7 +250,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   tokenizer, train_tokens, val_tokens, bytes_per_token = load_data(config)
   with workdir_lock(workdir, enabled=is_main()):
     train = s.config.train
-    process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    process = dict(process_index=s.feed[0], process_count=s.feed[1])
     batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
                                     global_batch_size=train.batch_size, seed=train.seed, **process)
     eval_batches = [_global_batch(s, b) for b in data_lib.eval_batches(
