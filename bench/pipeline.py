@@ -1,7 +1,8 @@
 """The pipeline's bubble against its microbatch count, GPipe against circular, beside the compiled
 per-device memory and the collective-permute traffic of each step. Nothing is allocated.
 
-  python -m bench.pipeline [--stages=4,8] [--preset=small] [--config.<key>=<value> ...]
+  python -m bench.pipeline [--stages=4,8] [--preset=small]
+  python -m bench.pipeline --compose     # every precision / quant mode / LoRA through a pipeline
 
 For P stages and M = P, 2P, 4P, 8P microbatches: the bubble measured on the schedule's table (the
 one the compiled loop reads) beside GPipe's formula (P - 1) / (M R + P - 1), the compiled bytes per
@@ -21,6 +22,60 @@ _LAYERS = flags.DEFINE_integer('num_layers', 16, 'Model depth (divisible by stag
 _BATCH = flags.DEFINE_integer('batch_size', 64, 'Global batch in sequences.')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Chunks per stage of the circular schedule.')
 _OUT = flags.DEFINE_string('out', 'bench/results/pipeline.json', 'Where the rows are written.')
+_COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
+                             'and LoRA variant through the pipeline layout and on one device.')
+
+# What --compose runs through configs/pipeline.py:tiny (8 layers) and on one device.
+VARIANTS = {
+    'fp32': {},
+    'bf16_mixed, remat full': {'precision': 'bf16_mixed', 'model.remat': 'full'},
+    'fp16 (loss scaling)': {'precision': 'fp16'},
+    'int8': {'precision': 'bf16_mixed', 'quant.mode': 'int8'},
+    'int4, learned scales': {'precision': 'bf16_mixed', 'quant.mode': 'int4',
+                             'quant.learned_scale': True},
+    'fp8 (current scaling)': {'precision': 'bf16_mixed', 'quant.mode': 'fp8'},
+    'Adam 8-bit': {'quant.adam_bits': 8},
+    'LoRA': {'lora.rank': 4},
+    'LoRA, dropout 0.1': {'lora.rank': 4, 'lora.dropout': 0.1},
+    'QLoRA (nf4 base)': {'precision': 'bf16_mixed', 'lora.rank': 4, 'quant.weights': 'nf4'},
+}
+
+
+def _losses(config, devices, steps: int = 2) -> list[float]:
+  import jax
+  import numpy as np
+  from train import run
+  s = run.setup(config, devices)
+  state, out = s.layout.init(), []
+  for i in range(steps):
+    tokens = np.random.default_rng(i).integers(0, 256, (config.train.batch_size,
+                                                          config.train.seq_len + 1), np.int32)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+    with s.context():
+      state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
+                                            for k, v in batch.items()})
+    out.append(float(metrics['loss']))
+  return out
+
+
+def compose() -> None:
+  import jax
+  from configs import default
+  from configs.layouts import layout_config
+  print('| variant | pipeline losses (2 steps) | one device | largest relative difference |')
+  print('|---|---|---|---:|')
+  for name, overrides in VARIANTS.items():
+    runs = []
+    for mesh in (None, dict(stage=1, data=1, fsdp=1, tensor=1)):
+      config = layout_config('pipeline', 'tiny')
+      for key, value in {'model.num_layers': 8, **overrides,
+                         **({'mesh': mesh, 'parallel.zero_stage': 0} if mesh else {})}.items():
+        default.override(config, key, value)
+      runs.append(_losses(config, None if mesh is None else jax.devices()[:1]))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
+    print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
+          f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
+    sys.stdout.flush()
 
 
 def main(argv):
@@ -33,6 +88,8 @@ def main(argv):
   MiB = 2.0 ** 20
   from train import checks, run
 
+  if _COMPOSE.value:
+    return compose()
   rows = []
   print('| P | M | schedule | bubble (table) | (P-1)/(MR+P-1) | compiled MiB/device | estimate '
         '| collective-permute ops, MiB | all-to-all MiB |')

@@ -1,6 +1,6 @@
 """The planner's ranking with and without pipeline stages, for the multi-node targets: the best
 recipe of each kind by estimated step time among those that fit by the analytic estimate, with
-memory and the step-time parts. Estimates only (plan/search.py:evaluate); `main.py --plan` also
+memory, the step-time parts and the bytes per device per step behind the comm terms. Estimates only (plan/search.py:evaluate); `main.py --plan` also
 compiles the winner.
 
   python -m bench.plan_stages [--targets=70b@64xH100-80GB,405b@512xH100-80GB]
@@ -18,7 +18,7 @@ def main(argv):
   from plan.target import parse_target
 
   print('| model @ target | stages allowed | recipes (fit) | best recipe | estimate GB/device | step s '
-        '| compute s | DP comm s | TP comm s | pipeline comm s |')
+        '| compute s | DP comm s (GB) | TP comm s (GB) | pipeline comm s (GB) |')
   print('|---|---|---:|---|---:|---:|---:|---:|---:|---:|')
   for pair in _TARGETS.value:
     preset, target_name = pair.split('@')
@@ -36,7 +36,9 @@ def main(argv):
         s = c.seconds
         print(f'| {pair} | {label} | {len(candidates)} ({len(fitting)}) | {c.recipe} '
               f'| {c.estimate["total"] / 1e9:.1f} | {s["total"]:.2f} | {s["compute"]:.2f} '
-              f'| {s["data_parallel_comm"]:.2f} | {s["tensor_comm"]:.2f} | {s["pipeline_comm"]:.2f} |')
+              f'| {s["data_parallel_comm"]:.2f} ({s["data_parallel_bytes"] / 1e9:.1f}) '
+              f'| {s["tensor_comm"]:.2f} ({s["tensor_bytes"] / 1e9:.1f}) '
+              f'| {s["pipeline_comm"]:.2f} ({s["pipeline_bytes"] / 1e9:.2f}) |')
 
 
 if __name__ == '__main__':

@@ -19,7 +19,7 @@ printed with every plan.
 - The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth.
 - Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
   stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
-  (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
+  (M + P - 1) / M; ZeRO-2/3's gradient reduction once per loop iteration; and the
   collective-permutes of the activation (forward) and its gradient (backward) at every
   iteration, over the network between nodes, not overlapped.
 """
@@ -73,10 +73,13 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
   f = (dp - 1) / dp
-  # Per microbatch, and in a pipeline per iteration of its loop (bubble included).
-  m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
+  # Gradients are reduced per microbatch, and in a pipeline per iteration of its loop (bubble
+  # included); ZeRO-3 gathers the stage's weights per microbatch (loop-invariant in GPipe, the
+  # compiler gathers them once for the loop, forward and backward).
+  micro = recipe.microbatches
+  m = micro * (recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
-              3: m * 3 * f * weights}[recipe.zero_stage]
+              3: (2 * micro + m) * f * weights}[recipe.zero_stage]
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link
@@ -84,15 +87,20 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   rows = batch // (dp * recipe.microbatches * recipe.pipeline_microbatches)
   activation = rows * seq_len * cfg.d_model * compute_bytes
   all_reduces = cfg.num_layers / P * m * (6 if recipe.remat == 'full' else 4)
-  tp_comm = all_reduces * 2 * (t - 1) / t * activation / target.intra_node if t > 1 else 0.0
+  tp_bytes = all_reduces * 2 * (t - 1) / t * activation if t > 1 else 0.0
+  tp_comm = tp_bytes / target.intra_node
   # Every iteration each stage sends its activation on and, backward, its gradient back: over the
   # network when a stage is a node or more, on the critical path (GPipe does not overlap them).
   permute_link = target.inter_node if n // P >= target.per_node else target.intra_node
-  pipeline_comm = 2 * m * activation / t / permute_link if P > 1 else 0.0
+  pipeline_bytes = 2 * m * activation / t if P > 1 else 0.0
+  pipeline_comm = pipeline_bytes / permute_link
 
   sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
   touched = sharded * (3 * param_bytes + ADAM_BYTES_TOUCHED[recipe.adam_bits])
   optimizer = touched / target.hbm
   total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,
-          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'total': total}
+          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'total': total,
+          # and the bytes behind the comm terms, per device per step
+          'data_parallel_bytes': dp_bytes,
+          'tensor_bytes': tp_bytes, 'pipeline_bytes': pipeline_bytes}

@@ -93,8 +93,11 @@ def test_pipeline_stages_spanning_two_processes_match_one_process(tmp_path):
   """4 stages x 2-way fsdp, stages 0-1 on one process and 2-3 on the other: each process feeds the
   whole batch (every stage holds it) and activations cross processes by collective-permute."""
   corpus = small_corpus(tmp_path)
+  # One evaluation of one batch, at the end: the losses are what is compared.
   args = lambda workdir: [a.replace('configs/fsdp.py', 'configs/pipeline.py')
-                          for a in main_args(workdir, corpus)] + ['--config.model.num_layers=4']
+                          for a in main_args(workdir, corpus)] + [
+      '--config.model.num_layers=4', f'--config.train.eval_every={STEPS}',
+      '--config.train.eval_batches=1']
   env = {**os.environ, 'XLA_FLAGS': ''}
   subprocess.run(args(tmp_path / 'single') + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
                  capture_output=True, timeout=600)

@@ -110,7 +110,7 @@ def test_learned_step_sizes_receive_gradients_and_change():
       state, _ = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
                                       for k, v in batch.items()})
   after = np.asarray(state['params']['blocks']['mlp']['down']['step_size'])
-  assert before.shape == after.shape == (2, 64)   # [layers, embed]: one per output channel
+  assert before.shape == after.shape == (4, 64)   # [layers, embed]: one per output channel
   assert np.abs(after - before).min() > 0
 
 
@@ -148,7 +148,7 @@ def test_fp8_histories_fill_one_entry_per_step_and_skip_adam():
       state, _ = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
                                       for k, v in batch.items()})
   history = np.asarray(state['params']['blocks']['mlp']['down']['amax_history'])
-  assert history.shape == (2, 3, 16)                  # [layers, (x, kernel, gradient), steps]
+  assert history.shape == (4, 3, 16)                  # [layers, (x, kernel, gradient), steps]
   assert (history[:, :, :3] > 0).all() and (history[:, :, 3:] == 0).all()
   # The kernel's recorded max is the max of the kernel it saw (before that step's update).
   assert 0.5 < history[0, 1, 0] / history[0, 1, 2] < 2
