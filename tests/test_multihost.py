@@ -89,29 +89,26 @@ def test_a_checkpoint_written_by_both_restores_on_another_mesh_in_one_process(ru
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_pipeline_stages_spanning_two_processes_match_one_process(tmp_path):
-  """4 stages x 2-way fsdp, stages 0-1 on one process and 2-3 on the other: each process feeds the
-  whole batch (every stage holds it) and activations cross processes by collective-permute."""
+def test_pipeline_stages_spanning_two_processes_match_the_single_process_run(runs, tmp_path):
+  """2 stages x 4-way fsdp, one stage per process: each process feeds the whole batch (every
+  stage holds it) and activations cross processes by collective-permute. The same model, data
+  and seed as the fixture's one-process ZeRO-3 run, so the same losses."""
+  single, _, _ = runs
   corpus = small_corpus(tmp_path)
-  # One evaluation of one batch, at the end: the losses are what is compared.
-  args = lambda workdir: [a.replace('configs/fsdp.py', 'configs/pipeline.py')
-                          for a in main_args(workdir, corpus)] + [
-      '--config.model.num_layers=4', f'--config.train.eval_every={STEPS}',
-      '--config.train.eval_batches=1']
-  env = {**os.environ, 'XLA_FLAGS': ''}
-  subprocess.run(args(tmp_path / 'single') + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
-                 capture_output=True, timeout=600)
+  args = [a.replace('configs/fsdp.py', 'configs/pipeline.py') for a in main_args(tmp_path / 'two', corpus)]
+  args += ['--config.mesh.stage=2', '--config.parallel.pipeline_microbatches=2',
+           f'--config.train.eval_every={STEPS}', '--config.train.eval_batches=1']
   port = free_port()
-  procs = [subprocess.Popen(args(tmp_path / 'two') + [
+  procs = [subprocess.Popen(args + [
       '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env=env,
+      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   outputs = [p.communicate(timeout=600) for p in procs]
   for p, (out, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-3000:]
-  assert 'pipeline    gpipe: 4 stages' in outputs[0][0]
+  assert 'pipeline    gpipe: 2 stages' in outputs[0][0]
   assert len(losses(tmp_path / 'two')) == STEPS
-  np.testing.assert_allclose(losses(tmp_path / 'two'), losses(tmp_path / 'single'), rtol=1e-5)
+  np.testing.assert_allclose(losses(tmp_path / 'two'), losses(single), rtol=1e-5)
 
 
 def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp_path):
