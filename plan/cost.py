@@ -19,7 +19,7 @@ printed with every plan.
 - The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth.
 - Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
   stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
-  (M + P - 1) / M; ZeRO-2/3's gradient reduction once per loop iteration; and the
+  (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
   collective-permutes of the activation (forward) and its gradient (backward) at every
   iteration, over the network between nodes, not overlapped.
 """
@@ -73,13 +73,12 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
   f = (dp - 1) / dp
-  # Gradients are reduced per microbatch, and in a pipeline per iteration of its loop (bubble
-  # included); ZeRO-3 gathers the stage's weights per microbatch (loop-invariant in GPipe, the
-  # compiler gathers them once for the loop, forward and backward).
-  micro = recipe.microbatches
-  m = micro * (recipe.pipeline_iterations if P > 1 else 1)
+  # Per microbatch, and in a pipeline per iteration of its loop (bubble included): ZeRO-2/3's
+  # gradient reduction, and ZeRO-3's gathers (measured at 70B with full remat: the compiler
+  # gathers a stage's weights at every iteration, 2.5x the unpipelined bytes at M = 4, P = 2).
+  m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
-              3: (2 * micro + m) * f * weights}[recipe.zero_stage]
+              3: m * 3 * f * weights}[recipe.zero_stage]
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link
