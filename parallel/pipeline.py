@@ -101,7 +101,8 @@ class PipelineSchedule:
         'bubble_fraction': self.bubble_fraction,
         'bubble_formula': (P - 1) / (M * R + P - 1),
         # Every stage runs the same program: each keeps the activations of all its iterations
-        # for the backward pass (the first stage's M in-flight microbatches, and the bubble's).
+        # for the backward pass (the first stage's M in-flight microbatches, and the bubble's;
+        # circular keeps only each iteration's input and recomputes its chunk).
         'saved_iterations_per_stage': self.iterations,
         'collective_permute': collectives['collective-permute'],
     }
