@@ -4,7 +4,7 @@
   python main.py --config=configs/pipeline.py --config.parallel.pipeline_schedule=circular \
       --config.parallel.pipeline_repeats=2 --config.model.num_layers=8   # interleaved, 2 chunks per stage
   python main.py --config=configs/pipeline.py:70b --dry_run --host_devices=64 \
-      --config.mesh.stage=8       # per-device memory of 70B over 8 stages x 8-way FSDP
+      --config.mesh.stage=8 --config.parallel.pipeline_microbatches=8   # 70B: 8 stages x 8-way FSDP
 """
 from configs.layouts import layout_config
 
