@@ -168,11 +168,22 @@ def test_data_parallel_steps_match_one_device(microbatches):
   assert dp_state['params']['embedding'].sharding.is_fully_replicated
 
 
-def test_norm_scales_get_no_weight_decay():
+def test_weight_decay_is_chosen_by_name():
+  """Kernels, embedding and position tables and LoRA factors decay; biases (GPT-2's query bias is a
+  [heads, head_dim] matrix), norm scales and norm biases do not, whatever their rank."""
+  from flax import traverse_util
   from optim.decay import weight_decay_mask
-  layout, _ = make(tiny_config())
-  mask = weight_decay_mask(layout.abstract['params'])
-  assert mask['final_norm']['scale'] is False
-  assert mask['blocks']['mlp_norm']['scale'] is False
-  assert mask['blocks']['mlp']['gate']['kernel'] is True
-  assert mask['embedding'] is True
+  layout, _ = make(tiny_config(**{'model.norm': 'layer', 'model.bias': True,
+                                  'model.positions': 'learned', 'model.mlp': 'gelu',
+                                  'model.tie_embeddings': False}))
+  mask = traverse_util.flatten_dict(weight_decay_mask(layout.abstract['params']), sep='/')
+  decayed = {path for path, decays in mask.items() if decays}
+  assert decayed == {path for path in mask if path.rsplit('/', 1)[-1] in ('kernel', 'embedding',
+                                                                         'positions')}
+  assert mask['blocks/attention/query/bias'] is False
+  assert layout.abstract['params']['blocks']['attention']['query']['bias'].ndim == 3
+  assert mask['blocks/mlp_norm/bias'] is False and mask['final_norm/scale'] is False
+  assert mask['positions'] is True and mask['head/kernel'] is True
+  lora = traverse_util.flatten_dict(weight_decay_mask(
+      make(tiny_config(**{'lora.rank': 2}))[0].abstract['params']), sep='/')
+  assert lora and all(lora.values()), lora

@@ -2,8 +2,8 @@
 
 The state is a plain dict: `step`, `params` (the trainable weights, a pure dict mirroring the
 model), `opt_state` (optax), `loss_scale`, and with LoRA `frozen`: the base weights, which get no
-gradients and no optimizer state. A frozen matrix needs no fp32 master copy, so it is stored in the
-compute dtype (vectors such as norm scales keep the parameter dtype), and with `quant.weights` its
+gradients and no optimizer state. A frozen matrix weight (optim/decay.py) needs no fp32 master
+copy, so it is stored in the compute dtype (norm scales and biases keep the parameter dtype), and with `quant.weights` its
 dense kernels are stored quantized (QLoRA). The state's shape and shardings are derived from
 `jax.eval_shape` of the initialiser, so a model of any size can be described (and its train step
 compiled) without allocating it; then `jax.jit(init, out_shardings=...)` creates the arrays already
@@ -21,7 +21,7 @@ from models import ModelConfig, Transformer
 from models.dense import quantize_weights
 from models.lora import LoraSpec
 from optim.adam8bit import is_quantized_moment
-from optim.decay import layer_ndim
+from optim.decay import is_matrix_weight
 from parallel.rules import LayoutRules, mesh_axes
 from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
                                shard_ways, shardings_for)
@@ -67,7 +67,7 @@ class ModelSpec:
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)))
 
   def _frozen_dtype(self, path, leaf):
-    return leaf.astype(self.policy.compute_dtype) if layer_ndim(path, leaf) >= 2 else leaf
+    return leaf.astype(self.policy.compute_dtype) if is_matrix_weight(path) else leaf
 
 
 def _merge_trees(a: dict, b: dict) -> dict:
