@@ -11,8 +11,10 @@
 `auto` picks `cudnn` on a GPU in 16-bit compute and `flash` everywhere else.
 
 All take q [b, t, heads, d] and k, v [b, t, kv_heads, d]; query head h reads KV head
-h // (heads / kv_heads). q is scaled by 1/sqrt(d) before any product (the scores then never
-exceed what fp16 holds), the products accumulate in fp32 and the softmax runs in fp32.
+h // (heads / kv_heads). The products accumulate in fp32 and the scores stay in fp32 through the
+scaling by 1/sqrt(d) and the softmax: nothing between the product and the softmax is rounded to the
+compute dtype (scaling q first would round q * 1/sqrt(d), inexact unless d is a power of 4). The
+probabilities are rounded to the compute dtype only as an operand of the product with v.
 """
 import jax
 import jax.numpy as jnp
@@ -63,11 +65,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str) -> jax.Arra
   raise ValueError(f'model.attention={attention!r}; allowed: {", ".join(ATTENTIONS)}')
 
 
-def _scaled_groups(q: jax.Array, kv_heads: int) -> jax.Array:
-  """q / sqrt(d), in its own dtype, as [b, t, kv_heads, group, d]."""
+def _groups(q: jax.Array, kv_heads: int) -> jax.Array:
+  """q as [b, t, kv_heads, group, d]."""
   b, t, heads, d = q.shape
-  q = (q * (1.0 / d**0.5)).astype(q.dtype)
   return q.reshape(b, t, kv_heads, heads // kv_heads, d)
+
+
+def _score_scale(d: int) -> float:
+  return d ** -0.5
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -77,8 +82,8 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
   """The reference: every [t, t] score at once, fp32 softmax."""
   b, t, heads, d = q.shape
-  qg = _scaled_groups(q, k.shape[2])
-  scores = _dot('btkgd,bskd->bkgts', qg, k)
+  qg = _groups(q, k.shape[2])
+  scores = _dot('btkgd,bskd->bkgts', qg, k) * _score_scale(d)
   causal = jnp.tril(jnp.ones((t, t), dtype=bool))
   probs = jax.nn.softmax(jnp.where(causal, scores, _MASKED), axis=-1).astype(v.dtype)
   return _dot('bkgts,bskd->btkgd', probs, v).astype(q.dtype).reshape(b, t, heads, d)
@@ -89,8 +94,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
   """One new position per row: q [b, 1, heads, d] at position start[b] against a key/value cache
   [b, S, kv_heads, d] whose positions up to start[b] are filled (later ones are masked)."""
   b, _, heads, d = q.shape
-  qg = _scaled_groups(q, k_cache.shape[2])
-  scores = _dot('btkgd,bskd->bkgts', qg, k_cache)
+  qg = _groups(q, k_cache.shape[2])
+  scores = _dot('btkgd,bskd->bkgts', qg, k_cache) * _score_scale(d)
   visible = jnp.arange(k_cache.shape[1])[None, :] <= start[:, None]    # [b, S]
   scores = jnp.where(visible[:, None, None, None, :], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
@@ -139,7 +144,7 @@ def _over_blocks(body, carry, xs, n: int):
 
 
 def _scores(qi, kj, i, j, block):
-  s = _dot('bkgqd,bksd->bkgqs', qi, kj)
+  s = _dot('bkgqd,bksd->bkgqs', qi, kj) * _score_scale(qi.shape[-1])
   return jnp.where(_block_mask(i, j, block), s, _MASKED)
 
 
@@ -186,7 +191,9 @@ def _flash_backward(qb, kb, vb, out, lse, d_out):
       p = jnp.exp(_scores(qi, kj, i, j, block) - lse[i][..., None])
       dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
       dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
-      ds = (p * (dp - delta[i][..., None])).astype(dtype)
+      # The scores' gradient, times the scale the scores were multiplied by: dq and dk are the
+      # gradients of the unscaled q and k.
+      ds = (p * (dp - delta[i][..., None]) * _score_scale(qi.shape[-1])).astype(dtype)
       dq = dq.at[i].add(_dot('bkgqs,bksd->bkgqd', ds, kj))
       dk = dk + _dot('bkgqs,bkgqd->bksd', ds, qi)
       return dq, dk, dv
@@ -225,7 +232,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   block = min(block, t)
   n = -(-t // block)
   pad = [(0, 0), (0, n * block - t)] + [(0, 0)] * 2
-  qg = jnp.pad(_scaled_groups(q, kv_heads), pad + [(0, 0)])
+  qg = jnp.pad(_groups(q, kv_heads), pad + [(0, 0)])
   qb = _blocked_queries(qg, n, block)
   kb, vb = (_blocked_keys(jnp.pad(x, pad), n, block) for x in (k, v))
   out = _flash_blocked(qb, kb, vb)                     # [n, b, kv, g, block, d]

@@ -49,13 +49,16 @@ class Dense(nnx.Module):
   """y = x @ W over the trailing `in_features` dims of x; W is `in_features + out_features`."""
 
   def __init__(self, in_features, out_features, *, axes: tuple[str, ...], policy: Policy,
-               rngs: nnx.Rngs, init_std: float, use_bias: bool = False):
+               rngs: nnx.Rngs, init_std: float, use_bias: bool = False, out_dtype=None):
+    """`out_dtype`: the output's dtype when it is not the compute dtype (the head: fp32 logits,
+    accumulated in fp32 and never rounded to the compute dtype)."""
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
     shape = self.in_features + self.out_features
     if len(axes) != len(shape):
       raise ValueError(f'axes {axes} do not name every kernel dimension {shape}')
     self.policy = policy
+    self.out_dtype = out_dtype
     self.axes = tuple(axes)   # one layer's logical axes (a stacked kernel adds `layers` in front)
     kernel = jax.nn.initializers.normal(init_std)(rngs.params(), shape, policy.param_dtype)
     self.kernel = logical_param(kernel, axes)
@@ -84,9 +87,10 @@ class Dense(nnx.Module):
     else:
       kernel = self.kernel[...].astype(dtype)
     x = x.astype(dtype)
-    y = quantized_dot(x, kernel, len(self.in_features), self.policy.matmul, layer_state)
+    y = quantized_dot(x, kernel, len(self.in_features), self.policy.matmul, layer_state,
+                      self.out_dtype)
     if self.bias is not None:
-      y = y + self.bias[...].astype(dtype)
+      y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:
       y = y + self.lora(x, adapters)
     return y

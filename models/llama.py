@@ -65,7 +65,8 @@ class Transformer(nnx.Module):
     self.final_norm = make_norm(cfg, policy)
     if not cfg.tie_embeddings:
       self.head = Dense(cfg.d_model, cfg.vocab_size, axes=('embed', 'vocab'), policy=policy,
-                        rngs=rngs, init_std=cfg.init_std, use_bias=cfg.bias)
+                        rngs=rngs, init_std=cfg.init_std, use_bias=cfg.bias,
+                        out_dtype=jnp.float32)
       if adapters is not None and adapters.matches('head'):
         lora.attach(self.head, adapters, prefix='head', rngs=rngs, dtype=policy.param_dtype)
 
@@ -164,11 +165,13 @@ class Transformer(nnx.Module):
 
   def _head(self, call: AdapterCall | None):
     """hidden [batch, n, d_model] -> fp32 logits [batch, n, vocab], as a plain function of arrays
-    (its weights are read here), so that a scan over chunks of positions can run it."""
+    (its weights are read here), so that a scan over chunks of positions can run it. The product
+    runs in the compute dtype and accumulates into fp32 logits: they are never rounded to 16 bits
+    (a bf16 logit has 8 significant bits: at a logit of 16 it moves in steps of 1/8 nat)."""
     dtype = self.policy.compute_dtype
     if self.cfg.tie_embeddings:
       table = self.embedding[...].astype(dtype)
-      project = lambda x: jnp.einsum('bld,vd->blv', x, table)
+      project = lambda x: jnp.einsum('bld,vd->blv', x, table, preferred_element_type=jnp.float32)
     else:
       graphdef, state = nnx.split(self.head)
       project = lambda x: nnx.merge(graphdef, state)(x, call)

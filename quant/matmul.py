@@ -87,6 +87,11 @@ _PRODUCTS = {
 
 
 def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
-                  layer_state: jax.Array | None = None) -> jax.Array:
-  """x [..., *in] @ kernel [*in, *out] under `recipe`."""
-  return _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)
+                  layer_state: jax.Array | None = None, out_dtype=None) -> jax.Array:
+  """x [..., *in] @ kernel [*in, *out] under `recipe`. `out_dtype` (None: x's): an unquantized
+  product accumulates into it and is never rounded to x's dtype (the head's fp32 logits); a
+  quantized one is cast to it."""
+  if out_dtype is not None and recipe.product == 'none':
+    return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=out_dtype)
+  y = _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)
+  return y if out_dtype is None else y.astype(out_dtype)

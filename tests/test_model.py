@@ -109,3 +109,23 @@ def test_remat_policies_give_the_same_gradients(remat):
   rematted = grads_of(tiny_model(remat=remat)[1])
   for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(rematted)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_bf16_logits_are_accumulated_in_fp32_not_rounded_to_bf16(tie):
+  """The head's product of bf16 operands equals the fp32 product of the same operands to within
+  fp32 summation error (d_model terms), far inside a bf16 rounding (2**-9 relative), which the
+  logits would carry if the product were rounded to the compute dtype before the cast."""
+  cfg, model = tiny_model('bf16_mixed', tie_embeddings=tie)
+  tokens = random_tokens((2, 16))
+  x, head = model.hidden(tokens)
+  logits = head(x)
+  kernel = (model.embedding[...].T if tie else model.head.kernel[...])
+  reference = np.asarray(x, np.float32) @ np.asarray(kernel.astype(jnp.bfloat16), np.float32)
+  assert logits.dtype == jnp.float32
+  bound = cfg.d_model * 2.0**-24 * (np.abs(np.asarray(x, np.float32)) @
+                                    np.abs(np.asarray(kernel.astype(jnp.bfloat16), np.float32)))
+  assert np.all(np.abs(np.asarray(logits) - reference) <= bound + 1e-30)
+  # The same logits rounded to bf16 break that bound: the test can tell the two apart.
+  rounded = np.asarray(jnp.asarray(reference).astype(jnp.bfloat16), np.float32)
+  assert np.any(np.abs(rounded - reference) > bound)
