@@ -25,6 +25,9 @@ _TARGET = flags.DEFINE_string('target', None, 'With --plan: <N>x<GPU>, e.g. 8xA1
                               '1xRTX4090-24GB, or <N>x<M>GB.')
 _PLAN_STAGES = flags.DEFINE_bool('plan_stages', True, 'With --plan: pipeline stages may be chosen '
                                   '(targets of several nodes).')
+_PLAN_ALLOW_PURE_BF16 = flags.DEFINE_bool(
+    'plan_allow_pure_bf16', False, 'With --plan: recipes without an fp32 master copy (precision=bf16, '
+    'whose optimizer rounds every update to bf16) may be chosen.')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'Multi-host: host:port of process 0.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-host: number of processes.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index.')
@@ -163,7 +166,7 @@ def main(argv):
       from plan.search import PlanError
       try:
         run_plan(config, target, workdir, ' '.join(['python', 'main.py', *sys.argv[1:]]),
-                 stages=_PLAN_STAGES.value)
+                 stages=_PLAN_STAGES.value, allow_pure_bf16=_PLAN_ALLOW_PURE_BF16.value)
       except (PlanError, FileExistsError) as e:
         sys.exit(f'error: {e}')
       return

@@ -13,7 +13,9 @@ Model state (the step's arguments, and the gradients, which live through the who
 - gradients have the parameters' size and dtype (they are accumulated in it), split `fsdp` ways
   under ZeRO-2 and 3; with microbatches the gradients of the microbatch in flight are a second
   copy beside the accumulator (in `temporaries`);
-- AdamW keeps two moments of the same size and dtype, split `fsdp` ways under ZeRO-1, 2 and 3;
+- AdamW keeps two moments of the same size, in the parameters' dtype or, with an fp32 master copy
+  of 16-bit weights (precision/policy.py), in fp32 beside that copy (4 more bytes per value), all
+  split `fsdp` ways under ZeRO-1, 2 and 3;
   with 8-bit moments, one byte per value (padded to whole blocks) plus an fp32 scale per block for
   every tensor of 4096 values or more (optim/adam8bit.py), split over the mesh axes of the
   parameter's first sharded dimension where they divide its blocks and whole on every device where
@@ -250,7 +252,7 @@ def param_leaf_sizes(cfg: ModelConfig) -> list[int]:
 def moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes of one Adam moment for the whole model."""
   if shape.adam_bits == 32:
-    return cfg.num_params * policy.param_bytes
+    return cfg.num_params * policy.moment_bytes
   total = 0
   for n in param_leaf_sizes(cfg):
     if n >= QUANTIZED_MIN_SIZE:
@@ -268,9 +270,10 @@ def _moment_ways(n: int, ways: int, shape: StepShape) -> int:
 
 
 def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """Bytes of both Adam moments on one device."""
+  """Bytes of both Adam moments (and the master copy, where the policy keeps one) on one device."""
+  master = shape.stage_params(cfg) * policy.master_bytes / shape.shards(from_stage=1)
   if shape.adam_bits == 32:
-    return 2 * shape.stage_params(cfg) * policy.param_bytes / shape.shards(from_stage=1)
+    return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shape.shards(from_stage=1)
   total = 0
   for n, ways in param_leaves(cfg, shape):
     if n >= QUANTIZED_MIN_SIZE:
@@ -278,7 +281,7 @@ def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
       total += (blocks * shape.adam_block_size + blocks * FP32) / _moment_ways(n, ways, shape)
     else:
       total += n * FP32 / ways
-  return 2 * total
+  return master + 2 * total
 
 
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -440,7 +443,9 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """With 16-bit weights and 32-bit Adam, optax forms the new first moment in fp32 (from the
-  fp32 hyper-parameters) and train/step.py's state keeps it 16-bit only by a cast at the end.
+  fp32 hyper-parameters) and train/step.py's state keeps it 16-bit only by a cast at the end (with
+  an fp32 master the moments are fp32 already, and the same buffer is seen: 0.048 GiB at 100m
+  ZeRO-3 on 8 devices, bench/layouts.py).
   Under ZeRO, XLA computes the part that needs no gradient (b1 * m) early and keeps that fp32
   moment shard live through the backward pass (measured: 3.14 GiB at 7B ZeRO-3, with 1 and with 4
   microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing."""
@@ -476,7 +481,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     n = frozen.trainable * on_stage
     params = (frozen.base_bytes * on_stage + n * p) / shape.shards(from_stage=3)
     grads = n * p / shape.shards(from_stage=2)
-    optimizer = 2 * n * p / shape.shards(from_stage=1)
+    optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shape.shards(from_stage=1)
   saved = activation_bytes(cfg, policy, shape)
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)

@@ -1,10 +1,12 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax); the moments in fp32
-(as the parameters' dtype) or in 8 bits (optim/adam8bit.py); fp8 amax histories beside it."""
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax); the moments in the
+parameters' dtype, or in fp32 beside an fp32 master copy of 16-bit weights (optim/master.py), or in
+8 bits (optim/adam8bit.py); fp8 amax histories beside it."""
 import jax
 import optax
 
 from optim.adam8bit import adamw_8bit
 from optim.decay import weight_decay_mask
+from optim.master import with_master_weights
 from quant.fp8 import is_history
 
 ADAM_BITS = (32, 8)
@@ -23,10 +25,13 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
-                   amax_histories: bool = False, block_axes=None) -> optax.GradientTransformation:
+                   amax_histories: bool = False, block_axes=None,
+                   master_dtype=None) -> optax.GradientTransformation:
   """AdamW with clipping. With `amax_histories` (fp8 delayed scaling), the histories' 'gradients'
   are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam.
-  `block_axes`: 8-bit moments only, the dimension each is blocked from (train/state.py)."""
+  `block_axes`: 8-bit moments only, the dimension each is blocked from (train/state.py).
+  `master_dtype`: clipping and Adam run on a master copy of the weights in this dtype, kept in the
+  optimizer state (the policy's; None: on the weights themselves)."""
   schedule = learning_rate_schedule(train_cfg)
   if amax_histories and block_axes is not None:
     # Adam sees the histories as masked (optax.multi_transform below): so must their block axes.
@@ -40,6 +45,8 @@ def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
     adam = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                        weight_decay=train_cfg.weight_decay, mask=weight_decay_mask)
   tx = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adam)
+  if master_dtype is not None:
+    tx = with_master_weights(tx, master_dtype)
   if not amax_histories:
     return tx
   label = lambda params: jax.tree_util.tree_map_with_path(

@@ -7,10 +7,20 @@ Bytes are per device and per execution, measured on the full (unsharded-side) bu
 the gathered result of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce,
 all-to-all or collective-permute. Combined ops (several tensors in one collective) count once with
 the sum of their tensors. Asynchronous ops (`-start` / `-done`, as GPUs emit) count at the start.
+
+`partitioned_collectives` reads the program as the SPMD partitioner leaves it instead, before the
+backend's own passes: XLA:CPU (jax 0.10) widens the operands of bf16 matmuls to fp32 and moves that
+convert in front of the all-gathers that feed them, so the optimized CPU program gathers and
+reduces bf16 weights in fp32; the partitioned program shows the dtype the step asks for, which is
+what a backend with bf16 matmuls (a GPU) moves. Its loops carry no trip-count annotation yet; a
+scan's is read from its condition (`i < N`).
 """
 import collections
+import glob
 import math
+import os
 import re
+import tempfile
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
 
@@ -23,6 +33,8 @@ _WHILE = re.compile(r'\swhile\(.*body=%?([\w.\-]+)')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r'(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_CONDITION = re.compile(r'condition=%?([\w.\-]+)')
+_S32_CONSTANT = re.compile(r's32\[\] constant\((\d+)\)')
 
 
 def _array_bytes(type_text: str) -> list[int]:
@@ -80,6 +92,8 @@ def _op_bytes(kind: str, started: bool, type_text: str, line: str, num_devices: 
 def _parse(hlo_text: str, num_devices: int):
   """computation name -> (its own collectives, [(called computation, times)]), and the entry."""
   computations, entry, current = {}, None, None
+  constants: dict[str, list[int]] = collections.defaultdict(list)   # s32 scalars, per computation
+  unannotated = []   # (calls list, index, condition): loops whose trip count is read afterwards
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line) if line[:1] not in ' \t' else None
     if header:
@@ -91,6 +105,7 @@ def _parse(hlo_text: str, num_devices: int):
     if current is None:
       continue
     own, calls = computations[current]
+    constants[current].extend(int(n) for n in _S32_CONSTANT.findall(line))
     op = _INSTRUCTION.search(line)
     if op:
       type_text, kind, started = op.groups()
@@ -99,9 +114,15 @@ def _parse(hlo_text: str, num_devices: int):
     if loop:
       trips = _TRIP_COUNT.search(line)
       calls.append((loop.group(1), int(trips.group(1)) if trips else 1))
+      condition = _CONDITION.search(line)
+      if not trips and condition:
+        unannotated.append((calls, len(calls) - 1, condition.group(1)))
     calls.extend((name, 1) for name in _CALLED.findall(line))
     for branches in _BRANCHES.findall(line):
       calls.extend((b.strip().lstrip('%'), 1) for b in branches.split(',') if b.strip())
+  for calls, index, condition in unannotated:   # a scan's condition is `i < N`: one constant
+    if len(constants[condition]) == 1:
+      calls[index] = (calls[index][0], constants[condition][0])
   return computations, entry
 
 
@@ -128,3 +149,17 @@ def collective_stats(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str,
   counts = total(entry) if entry else collections.Counter()
   return {kind: {'count': counts[(kind, 'count')], 'bytes': counts[(kind, 'bytes')]}
           for kind in KINDS}
+
+
+def partitioned_collectives(lowered, num_devices: int) -> dict[str, dict[str, int]]:
+  """`collective_stats` of a lowered jit program as the SPMD partitioner emits it (see the module
+  docstring). Compiles it once more, with XLA dumping the partitioner's output to a scratch folder."""
+  with tempfile.TemporaryDirectory() as folder:
+    lowered.compile(compiler_options={'xla_dump_to': folder,
+                                      'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+    dumps = sorted(glob.glob(os.path.join(folder, '*after_spmd-partitioning*.txt')))
+    if not dumps:
+      raise RuntimeError('XLA wrote no dump after spmd-partitioning; this XLA names its passes '
+                         'differently')
+    with open(dumps[-1]) as f:
+      return collective_stats(f.read(), num_devices)

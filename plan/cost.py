@@ -16,7 +16,8 @@ printed with every plan.
 - Tensor-parallel collectives (two all-reduces of the layer's activations in the forward pass, two
   in the backward, two more when full remat replays the forward) stay within a node and do not
   overlap with compute.
-- The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth.
+- The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth (the
+  weights and gradient, the moments, and an fp32 master copy where the policy keeps one).
 - Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
   stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
   (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
@@ -27,6 +28,7 @@ import dataclasses
 
 from models.config import ModelConfig
 from plan.target import Target
+from precision.policy import Policy
 
 MFU_ASSUMED = 0.45
 RECOMPUTE = {'none': 1.0, 'dots': 1.05, 'full': 8 / 6, 'qkv': 1.2}
@@ -35,7 +37,7 @@ ADAM_BYTES_TOUCHED = {32: 4 * 2 * 2, 8: 2 * 2 * 1}   # two moments, read and wri
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-  precision: str      # bf16_mixed | bf16
+  precision: str      # bf16_master | bf16_mixed | bf16 (precision/policy.py)
   adam_bits: int      # 32 | 8
   zero_stage: int     # 0..3
   tensor: int         # tensor-parallel degree (within a node)
@@ -62,7 +64,10 @@ class Recipe:
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
-                 param_bytes: int, compute_bytes: int) -> dict[str, float]:
+                 policy: Policy) -> dict[str, float]:
+  """Seconds per step by part, and the bytes behind the communication parts. Weights are gathered
+  and gradients reduced in the policy's param dtype."""
+  param_bytes, compute_bytes = policy.param_bytes, policy.compute_bytes
   n, t, P = target.count, recipe.tensor, recipe.stages
   dp = n // (t * P)
   tokens = batch * seq_len
@@ -95,7 +100,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   pipeline_comm = pipeline_bytes / permute_link
 
   sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
-  touched = sharded * (3 * param_bytes + ADAM_BYTES_TOUCHED[recipe.adam_bits])
+  touched = sharded * (3 * param_bytes + 2 * policy.master_bytes
+                       + ADAM_BYTES_TOUCHED[recipe.adam_bits])
   optimizer = touched / target.hbm
   total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,

@@ -51,13 +51,16 @@ def write_config(path: str, config, header: str) -> None:
             f'  return ml_collections.ConfigDict(CONFIG)\n')
 
 
-def run_plan(config, target: Target, workdir: str, command: str, stages: bool = True) -> str:
-  """Returns the path of the written config. `stages`: pipeline stages may be chosen."""
+def run_plan(config, target: Target, workdir: str, command: str, stages: bool = True,
+             allow_pure_bf16: bool = False) -> str:
+  """Returns the path of the written config. `stages`: pipeline stages may be chosen;
+  `allow_pure_bf16`: so may recipes without an fp32 master (plan/search.py)."""
   print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
         f'{config.train.seq_len} tokens per step')
   print(f'            {assumptions(target)}')
   chosen, ranked = plan(config, target, lambda c: compile_total(c, target.count),
-                        log=lambda line: print(f'            {line}', flush=True), stages=stages)
+                        log=lambda line: print(f'            {line}', flush=True), stages=stages,
+                        allow_pure_bf16=allow_pure_bf16)
   print(f'\n| rank | recipe | estimate per device | step time (estimate) | compute | DP comm | TP comm '
         f'| pipeline comm | compiled per device |')
   print('|---:|---|---:|---:|---:|---:|---:|---:|---:|')

@@ -8,6 +8,11 @@ frozen-base storage (a LoRA config is sized with only the adapters training; its
 still the full-training model's, an over-estimate that does not change the ranking by much). A recipe fits when its per-device
 total stays under the device memory less MARGIN (kept for the CUDA context, NCCL buffers and
 allocator fragmentation, which neither the compiler's figure nor the estimate sees).
+
+Quality is part of the objective: a policy whose optimizer updates 16-bit weights directly (pure
+bf16: a step below half a bf16 spacing of a weight is rounded away, and Adam's moments are bf16)
+is chosen only when the caller allows it (`allow_pure_bf16`, `main.py --plan_allow_pure_bf16`);
+otherwise the plan says what it gave up by keeping an fp32 master (`tradeoff`).
 """
 import dataclasses
 import itertools
@@ -22,7 +27,7 @@ from precision.policy import get_policy
 from train import checks
 
 MARGIN = 0.10
-PRECISIONS = ('bf16_mixed', 'bf16')
+PRECISIONS = ('bf16_master', 'bf16_mixed', 'bf16')
 ADAM_BITS = (32, 8)
 REMATS = ('none', 'dots', 'full')
 MAX_COMPILES = 6
@@ -102,7 +107,11 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
   return Candidate(recipe, estimate(cfg, policy, shape, _frozen(config, recipe.precision)),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
-                                policy.param_bytes, policy.compute_bytes))
+                                policy))
+
+
+def keeps_fp32_update(candidate: Candidate) -> bool:
+  return get_policy(candidate.recipe.precision).has_fp32_update
 
 
 _FROZEN_CACHE: dict = {}
@@ -121,18 +130,26 @@ def _frozen(config, precision: str) -> Frozen | None:
   return _FROZEN_CACHE[key]
 
 
-def plan(config, target: Target, compile_total, log=print,
-         stages: bool = True) -> tuple[Candidate, list[Candidate]]:
+def plan(config, target: Target, compile_total, log=print, stages: bool = True,
+         allow_pure_bf16: bool = False) -> tuple[Candidate, list[Candidate]]:
   """(the chosen candidate, every candidate ranked). `compile_total(config) -> bytes` compiles a
   config's train step on `target.count` simulated devices; `stages`: pipeline stages may be
-  chosen (multi-node targets). Raises PlanError when nothing fits."""
+  chosen (multi-node targets); `allow_pure_bf16`: recipes without an fp32 master may be chosen.
+  Raises PlanError when nothing fits."""
   budget = target.memory * (1 - MARGIN)
   candidates = [evaluate(config, r, target) for r in recipes(config, target, stages)]
   if not candidates:
     raise PlanError(f'no recipe can split batch {config.train.batch_size} over {target}: the '
                     f'global batch must divide over the data-parallel devices')
-  fitting = sorted((c for c in candidates if c.estimate['total'] <= budget),
-                   key=lambda c: c.seconds['total'])
+  fits = sorted((c for c in candidates if c.estimate['total'] <= budget),
+                key=lambda c: c.seconds['total'])
+  fitting = [c for c in fits if allow_pure_bf16 or keeps_fp32_update(c)]
+  if fits and not fitting:
+    raise PlanError(
+        f'on {target} only recipes without an fp32 master fit (the fastest: {fits[0].recipe}, '
+        f'{fits[0].estimate["total"] / 1e9:.1f} GB per device by the estimate): their optimizer '
+        f'rounds every update to bf16; pass --plan_allow_pure_bf16 to accept that, or use more '
+        f'devices')
   if not fitting:
     closest = min(candidates, key=lambda c: c.estimate['total'])
     need = closest.estimate['total']
@@ -154,6 +171,9 @@ def plan(config, target: Target, compile_total, log=print,
     log(f'  {candidate.recipe}: estimate {candidate.estimate["total"] / 1e9:.1f} GB, compiled '
         f'{candidate.compiled / 1e9:.1f} GB per device: {verdict} ({seconds})')
     if candidate.compiled <= budget:
+      note = tradeoff(candidate, fits, budget)
+      if note:
+        log(note)
       return candidate, fitting
   raise PlanError(f'the {MAX_COMPILES} fastest recipes the estimate accepted all compile above the '
                   f'{budget / 1e9:.1f} GB usable on {target}; the estimate is too optimistic here')
@@ -166,3 +186,23 @@ def assumptions(target: Target) -> str:
           f'inter-node per GPU, {target.per_node} GPUs per node; a recipe fits under '
           f'{1 - MARGIN:.0%} of the memory; data-parallel collectives overlap with compute, '
           f'tensor-parallel ones do not (plan/cost.py)')
+
+
+def tradeoff(chosen: Candidate, candidates: list[Candidate], budget: float) -> str | None:
+  """What keeping an fp32 master cost against the fastest pure-bf16 recipe that fits, or None
+  when no such recipe is faster (or the chosen one is pure bf16 itself)."""
+  if not keeps_fp32_update(chosen):
+    return (f'quality: {chosen.recipe.precision} updates bf16 weights directly (allowed by '
+            f'--plan_allow_pure_bf16): a step below half a bf16 spacing of a weight is lost')
+  pure = [c for c in candidates if not keeps_fp32_update(c) and c.estimate['total'] <= budget]
+  if not pure:
+    return None
+  best = min(pure, key=lambda c: c.seconds['total'])
+  if best.seconds['total'] >= chosen.seconds['total']:
+    return None
+  return (f'quality: kept an fp32 master ({chosen.recipe.precision}, '
+          f'{chosen.seconds["total"]:.2f} s per step) over the fastest pure-bf16 recipe '
+          f'({best.recipe}, {best.seconds["total"]:.2f} s, '
+          f'{chosen.seconds["total"] / best.seconds["total"] - 1:.0%} faster by the model), whose '
+          f'updates below half a bf16 spacing of a weight round away; --plan_allow_pure_bf16 '
+          f'lets the plan take it')

@@ -1,14 +1,17 @@
 """fp8 matmul with delayed scaling: each operand's scale comes from the largest absolute value seen
-over the last H steps (its amax history), not from the tensor at hand, so no pass over the tensor
-has to finish before it can be cast (the Transformer Engine recipe, written here for JAX).
+over the last H steps (its amax history), never from the tensor at hand, so no pass over the tensor
+has to finish before it can be cast (the Transformer Engine recipe, written here for JAX). The
+current tensor's amax only enters the history, for the next step. With nothing recorded yet (the
+first step) the scale is 1, as Transformer Engine starts: values beyond the format's range clip.
 
 Forward operands are e4m3 (3 fraction bits), the incoming gradient e5m2 (2 fraction bits, 8x the
 range). Each Dense keeps one history per operand, [3 (x, kernel, gradient), H], as a parameter.
 It cannot be an ordinary parameter: its new value is only known in the backward pass, where the
 gradient's absolute max is seen. So the backward pass returns (updated history - history) as its
-"gradient", and the optimizer adds it instead of running Adam on it (optim/adamw.py). Summed over
-microbatches and divided like every gradient, the newest entry is the mean of the microbatches'
-maxima (and, where gradients are reduced per device first, of the devices' maxima).
+"gradient", and the optimizer adds it instead of running Adam on it (optim/adamw.py). The train
+step combines these by their maximum, not their sum, over microbatches and over devices where it
+takes gradients per device (train/step.py: `combine`), and never divides them: the newest entry is
+the amax of the whole batch, so every layout records, and scales by, the same values.
 
 The product is written as quantize -> dequantize -> dot: on a GPU XLA rewrites that pattern into an
 fp8 GEMM; on this CPU it runs as an emulation (no speed-up can be seen here).
@@ -34,11 +37,10 @@ def new_history(length: int) -> AmaxHistory:
                      eager_sharding=False)
 
 
-def _scale(history_row: jax.Array, current_amax: jax.Array, fmt) -> jax.Array:
-  """fp8 max / the history's amax; on the first step, with nothing recorded, the current amax."""
+def history_scale(history_row: jax.Array, fmt) -> jax.Array:
+  """fp8 max / the history's amax; 1 while nothing is recorded."""
   amax = jnp.max(history_row)
-  amax = jnp.where(amax > 0, amax, current_amax)
-  return float(jnp.finfo(fmt).max) / jnp.maximum(amax, 1e-12)
+  return jnp.where(amax > 0, float(jnp.finfo(fmt).max) / jnp.maximum(amax, 1e-30), 1.0)
 
 
 def _quantize_dequantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
@@ -68,15 +70,15 @@ def fp8_delayed_dot(x: jax.Array, kernel: jax.Array, history: jax.Array, n_in: i
 
 def _forward(x, kernel, history, n_in):
   x_amax, kernel_amax = _amax(x), _amax(kernel)
-  xq = _quantize_dequantize(x, _scale(history[X], x_amax, E4M3), E4M3)
-  kq = _quantize_dequantize(kernel, _scale(history[KERNEL], kernel_amax, E4M3), E4M3)
+  xq = _quantize_dequantize(x, history_scale(history[X], E4M3), E4M3)
+  kq = _quantize_dequantize(kernel, history_scale(history[KERNEL], E4M3), E4M3)
   return _product(xq, kq, n_in), (xq, kq, history, x_amax, kernel_amax)
 
 
 def _backward(n_in, residuals, g):
   xq, kq, history, x_amax, kernel_amax = residuals
   g_amax = _amax(g)
-  gq = _quantize_dequantize(g, _scale(history[GRAD], g_amax, E5M2), E5M2)
+  gq = _quantize_dequantize(g, history_scale(history[GRAD], E5M2), E5M2)
   _, pullback = jax.vjp(lambda a, b: _product(a, b, n_in), xq, kq)
   dx, dkernel = pullback(gq)
   updated = jnp.stack([_push(history[X], x_amax), _push(history[KERNEL], kernel_amax),

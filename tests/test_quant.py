@@ -120,11 +120,18 @@ def test_fp8_delayed_scaling_takes_its_scales_from_the_history_and_returns_its_u
   empty = jnp.zeros((3, 4))
   y, pullback = jax.vjp(lambda x, w, h: fp8.fp8_delayed_dot(x, w, h, 1), x, w, empty)
   _, _, update = pullback(cotangent)
-  # With nothing recorded, scales come from the tensors themselves; the update pushes their maxima.
+  # With nothing recorded the scale is 1, never the tensor's own amax: the operands are cast as
+  # they are. The update pushes their maxima, for the next step.
   amaxes = [jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(cotangent).max()]
   np.testing.assert_allclose(update[:, 0], amaxes, rtol=1e-6)
   np.testing.assert_array_equal(update[:, 1:], 0)
-  np.testing.assert_allclose(y, x @ w, rtol=0.1, atol=0.1 * float(jnp.abs(x @ w).max()))
+  as_e4m3 = lambda a: a.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  np.testing.assert_allclose(y, as_e4m3(x) @ as_e4m3(w), rtol=1e-6, atol=1e-6)
+  # A history scales the tensor by fp8 max / its amax, whatever the tensor's own amax is.
+  recorded = empty.at[0, 1].set(2.0).at[1, 3].set(4.0)
+  scaled = fp8.fp8_delayed_dot(x, w, recorded, 1)
+  cast = lambda a, amax: as_e4m3(jnp.clip(a * (448 / amax), -448, 448)) / (448 / amax)
+  np.testing.assert_allclose(scaled, cast(x, 2.0) @ cast(w, 4.0), rtol=1e-6, atol=1e-6)
   # A history whose max is below the tensor's clips the tensor there (e4m3 max = 448).
   history = empty.at[0, 2].set(1.0).at[1, 0].set(float(amaxes[1]))
   clipped = fp8.fp8_delayed_dot(x, w, history, 1)
@@ -244,3 +251,32 @@ def test_every_recipe_config_builds_its_policy(name):
 def test_bad_quantization_settings_are_refused_naming_what_is_allowed(overrides, message):
   with pytest.raises(checks.ConfigError, match=message):
     checks.policy(tiny_config(**overrides))
+
+
+def test_fp8_delayed_scales_and_losses_do_not_depend_on_the_layout():
+  """The history records the batch's amax (the max over microbatches and devices, not their mean),
+  so one device, DDP with per-device accumulation and ZeRO-3 record the same amaxes and scale alike.
+  Values differ only by fp32 summation order upstream (and an fp8 rounding that order may flip);
+  a mean of per-device maxima would sit far below (a device's 4 rows of the 16)."""
+  overrides = {'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed', 'train.batch_size': 16,
+               'train.microbatches': 2}
+  histories, got = {}, {}
+  for layout, devices in (('ddp', 1), ('ddp', 8), ('fsdp', 8)):
+    s = run.setup(config_for(layout, **overrides), jax.devices()[:devices])
+    state = s.layout.init()
+    from tests.test_layouts import batches
+    out = []
+    for batch in batches(3, rows=16):
+      with s.context():
+        state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
+                                              for k, v in batch.items()})
+      out.append(float(metrics['loss']))
+    key = f'{layout}x{devices}'
+    got[key] = out
+    histories[key] = np.asarray(state['params']['blocks']['mlp']['down']['amax_history'])
+  one = histories['ddpx1']
+  assert (one[:, :, :3] > 0).all()
+  for key in ('ddpx8', 'fsdpx8'):
+    # One e4m3 step (2**-3 relative) bounds what a flipped fp8 rounding upstream moves an amax.
+    np.testing.assert_allclose(histories[key], one, rtol=2.0**-3)
+    np.testing.assert_allclose(got[key], got['ddpx1'], rtol=1e-3)

@@ -82,7 +82,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   block_axes = (_block_axes(moment_block_axes(spec, mesh, rules), stored_block_axes)
                 if config.quant.adam_bits == 8 else None)
   tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
-                      amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes)
+                      amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes,
+                      master_dtype=policy.master_dtype)
   try:
     layout = state_layout(spec, tx, mesh, rules)
   except ValueError as e:
@@ -97,7 +98,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=None if schedule is None else pipelined(schedule))
+                            stack=None if schedule is None else pipelined(schedule),
+                            update_shardings=layout.update_shardings)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
@@ -135,12 +137,19 @@ def checkpoint_meta(s: Setup) -> dict:
   return meta
 
 
-def compile_train_step(s: Setup):
-  """Lower and compile on abstract inputs: nothing is allocated, the memory can be read."""
+def lower_train_step(s: Setup):
+  """The train step lowered on abstract inputs (nothing is allocated)."""
   train = s.config.train
   batch = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), np.int32, sharding=s.batch_sharding)
   with s.context():
-    return s.train_step.lower(s.layout.abstract, {'inputs': batch, 'targets': batch}).compile()
+    return s.train_step.lower(s.layout.abstract, {'inputs': batch, 'targets': batch})
+
+
+def compile_train_step(s: Setup):
+  """Lower and compile on abstract inputs: nothing is allocated, the memory can be read."""
+  lowered = lower_train_step(s)
+  with s.context():
+    return lowered.compile()
 
 
 def memory_report(s: Setup, compiled) -> dict:

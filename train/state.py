@@ -82,6 +82,7 @@ class StateLayout:
   abstract: Any            # ShapeDtypeStruct tree of the train state, each with its sharding
   shardings: Any           # NamedSharding tree of the train state
   grad_shardings: Any      # where the gradients live (ZeRO-2 and up: sharded like the optimizer)
+  update_shardings: Any    # where the optimizer's updates are formed: with its state (ZeRO-1 and up)
   init: Callable[[], Any]  # jitted: creates the state already sharded
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
 
@@ -151,7 +152,7 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
     shardings['frozen'] = frozen_shardings(abstract_rest, abstract['frozen'], mesh, rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
-  return StateLayout(graphdef, abstract, shardings, grad_sharding,
+  return StateLayout(graphdef, abstract, shardings, grad_sharding, moment_sharding,
                      jax.jit(init, out_shardings=shardings), init)
 
 

@@ -1,8 +1,8 @@
 """One optimizer step: loss, gradients accumulated over microbatches, loss scaling, update.
 
-Reads top to bottom: split the batch into microbatches, accumulate gradients in the master
-weights' dtype (one scan; where gradients are replicated, per device, reduced once), (fp16)
-unscale, apply AdamW unless the loss or a gradient is not finite (an fp16 overflow, or a run that
+Reads top to bottom: split the batch into microbatches, accumulate gradients in the weights'
+dtype (one scan; where gradients are replicated, per device, reduced once; fp8 amax histories'
+updates by their maximum, quant/fp8.py), (fp16) unscale, apply AdamW unless the loss or a gradient is not finite (an fp16 overflow, or a run that
 diverged: the update is skipped on the device), (fp16) adjust the scale. Gradients are taken of the
 trainable parameters only; a frozen base (LoRA) is an input of the loss and passes through the
 step unchanged.
@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.hints import constrain
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
+from quant.fp8 import is_history
 
 
 def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None) -> jax.Array:
@@ -40,7 +41,7 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
                     grad_shardings=None, per_device=None, dropout_seed: int | None = None,
-                    stack=None):
+                    stack=None, update_shardings=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -53,7 +54,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   not once per microbatch (what PyTorch DDP's no_sync does).
 
   `dropout_seed`: LoRA dropout, with a key per step, microbatch and device drawn from it (None: no
-  dropout). `stack`: how the blocks run (parallel/pipeline.py; None: one after another)."""
+  dropout). `stack`: how the blocks run (parallel/pipeline.py; None: one after another).
+
+  `update_shardings`: where the optimizer's updates are formed, beside its state (sharded from
+  ZeRO-1 up): each device updates its slice, and under ZeRO-1/2 only the new weights' dtype is
+  gathered (bf16 with an fp32 master in the optimizer state, not the master)."""
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -70,13 +75,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
 
   def train_step(state: dict, batch: dict):
     params, frozen = state['params'], state.get('frozen', {})
+    # fp8 amax histories' updates are combined by their maximum (over microbatches and devices),
+    # start from -inf and are not divided: the batch's amax, whatever the layout (quant/fp8.py).
+    histories = jax.tree_util.tree_map_with_path(lambda path, _: is_history(path), params)
+    combine = lambda total, g, history: jnp.maximum(total, g) if history else total + g
+    reduce_devices = lambda g, history: g.max(0) if history else g.sum(0)
     scale = state['loss_scale']['scale'] if policy.loss_scaling else jnp.float32(1.0)
     step_key = (None if dropout_seed is None else
                 jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state['step']))
 
     def scaled_loss(p, microbatch, key):
       loss = cross_entropy(graphdef, p, frozen, microbatch, key, stack)
-      return loss * scale, loss
+      # This microbatch's (and device's) share of the batch's mean: the gradients flowing back
+      # through the model are the whole batch's in every layout (fp8 delayed scaling records
+      # their amax), and their sum is the batch's gradient with nothing left to divide.
+      return loss * (scale / (microbatches * ways)), loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -98,21 +111,29 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     def accumulate(carry, inputs):
       grad_sum, loss_sum = carry
       grads, loss = microbatch_grads(*inputs)
-      return (keep(jax.tree.map(jnp.add, grad_sum, keep(grads))), loss_sum + loss), None
+      return (keep(jax.tree.map(combine, grad_sum, keep(grads), histories)), loss_sum + loss), None
 
-    zeros = keep(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params))
+    zeros = keep(jax.tree.map(
+        lambda p, history: jnp.full(lead + p.shape, -jnp.inf if history else 0, p.dtype),
+        params, histories))
     (grad_sum, loss_sum), _ = jax.lax.scan(
         accumulate, (zeros, jnp.zeros(lead, jnp.float32)),
         (split_microbatches(batch, microbatches), jnp.arange(microbatches)))
     if per_device is not None:   # the one data-parallel reduction of the step
-      grad_sum = place(jax.tree.map(lambda g: g.sum(0), grad_sum))
+      grad_sum = place(jax.tree.map(reduce_devices, grad_sum, histories))
       loss_sum = loss_sum.sum()
     # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
     # Adam's moments), and the new state could not reuse the donated buffers.
-    grads = jax.tree.map(lambda g: (g / (microbatches * ways * scale)).astype(g.dtype), grad_sum)
+    if policy.loss_scaling:
+      grads = jax.tree.map(lambda g, history: g if history else (g / scale).astype(g.dtype),
+                           grad_sum, histories)
+    else:
+      grads = grad_sum
     loss = loss_sum / (microbatches * ways)
 
-    grad_norm = optax.tree.norm(grads)
+    # In fp32 (16-bit gradients' squares would be summed in 16 bits), histories left out.
+    grad_norm = optax.tree.norm(jax.tree.map(
+        lambda g, history: jnp.zeros([]) if history else g.astype(jnp.float32), grads, histories))
     # An inf or nan anywhere in the gradients makes their norm non-finite: one scalar decides
     # whether the update happens. A skipped step leaves parameters and optimizer state as they
     # were (so no non-finite value ever enters the state); the step counter moves on with the data.
@@ -120,6 +141,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
 
     def update(state):
       updates, opt_state = tx.update(grads, state['opt_state'], params)
+      if update_shardings is not None:
+        updates = jax.lax.with_sharding_constraint(updates, update_shardings)
       return {**state, 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
 
     new_state = jax.lax.cond(finite, update, lambda state: state, state)
