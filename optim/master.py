@@ -8,10 +8,14 @@ returns the step that takes each stored weight to the copy's rounding. Since the
 optimizer state, ZeRO-1/2/3 shard it as they shard the moments; the weights the forward pass
 gathers stay 16-bit.
 
-The returned step is bf16(master) - w, computed in the weights' dtype. optax adds it to w; the sum
-is exactly bf16(master) whenever the difference is exact, which it is (Sterbenz) for an old and a
-new weight within a factor of two of each other; otherwise (a weight crossing zero, or halving) it
-is within one rounding of it, and the next step starts again from the master, so no error builds up.
+The returned step is master - w in fp32; optax adds it to w in fp32 and rounds the sum to w's
+dtype. The fp32 sum is the master exactly whenever the difference is exact, which it is (Sterbenz)
+for an old and a new weight within a factor of two of each other; otherwise (a weight crossing
+zero, or halving) it is within one fp32 rounding of the master, which changes its bf16 rounding only
+at a tie (about once in 2**15 such weights), and the next step starts again from the master. (A bf16
+step, bf16(master) - w rounded to bf16, would be off by several bf16 spacings for ~1 % of weights
+near zero.) Where the optimizer state is sharded the train step forms the steps on each device's
+slice (train/step.py), so the weights are gathered after their rounding, in bf16.
 """
 from typing import NamedTuple
 
@@ -38,7 +42,7 @@ def with_master_weights(inner: optax.GradientTransformation,
     grads = jax.tree.map(lambda g: g.astype(dtype), updates)
     steps, inner_state = inner.update(grads, state.inner, state.master)
     master = optax.apply_updates(state.master, steps)
-    to_stored = jax.tree.map(lambda m, p: m.astype(p.dtype) - p, master, params)
+    to_stored = jax.tree.map(lambda m, p: m - p.astype(m.dtype), master, params)
     return to_stored, MasterState(master, inner_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
