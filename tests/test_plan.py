@@ -106,3 +106,26 @@ def test_a_qlora_config_is_sized_with_only_its_adapters_training():
   # 7B in NF4 is about 3.5 GB against 13.5 GB of bf16 weights
   assert 0.2 < qlora_bytes['params'] / full_bytes['params'] < 0.3
   assert all(r.adam_bits == 32 for r in recipes(qlora, target))   # 8-bit moments of adapters: no
+
+
+def test_the_plan_keeps_an_fp32_master_unless_pure_bf16_is_allowed():
+  """Quality is in the objective: pure bf16 (updates rounded to bf16) is never picked unless
+  allowed; where nothing else fits the plan says so and names the flag, and where it would have
+  been faster the plan says what keeping the master cost."""
+  from plan.search import keeps_fp32_update, tradeoff
+  config = default.get_config('1b')
+  config.train.batch_size, config.train.seq_len = 8, 512
+  with pytest.raises(PlanError, match=r'only recipes without an fp32 master fit .*'
+                                      r'--plan_allow_pure_bf16'):
+    plan(config, parse_target('1x19GB'), compile_total=None)
+  target = parse_target('8xH100-80GB')
+  budget = target.memory * (1 - MARGIN)
+  candidates = [evaluate(config, r, target) for r in recipes(config, target)]
+  assert {c.recipe.precision for c in candidates} == {'bf16_master', 'bf16_mixed', 'bf16'}
+  kept = [c for c in candidates if keeps_fp32_update(c) and c.estimate['total'] <= budget]
+  chosen = min(kept, key=lambda c: c.seconds['total'])
+  assert chosen.recipe.precision in ('bf16_master', 'bf16_mixed')
+  note = tradeoff(chosen, candidates, budget)
+  assert note and 'kept an fp32 master' in note and '--plan_allow_pure_bf16' in note
+  pure = min((c for c in candidates if not keeps_fp32_update(c)), key=lambda c: c.seconds['total'])
+  assert 'updates bf16 weights directly' in tradeoff(pure, candidates, budget)
