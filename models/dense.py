@@ -96,16 +96,43 @@ class Dense(nnx.Module):
     return y
 
 
+def learned_grid_kernel(dense: Dense) -> jax.Array:
+  """The float kernel a forward pass multiplies by: with LSQ step sizes, the kernel on their grid
+  (per layer where stacked); otherwise the kernel as stored."""
+  kernel = dense.kernel[...]
+  if dense.step_size is None:
+    return kernel
+  n_in = len(dense.in_features)
+  grid = lambda k, s: lsq.fake_quantize(k, s, n_in, bits=4)
+  if kernel.ndim > n_in + len(dense.out_features):
+    grid = jax.vmap(grid)
+  return grid(kernel, dense.step_size[...])
+
+
 def quantize_weights(model: nnx.Module, fmt: str) -> nnx.Module:
-  """Replaces, in place, every float Dense kernel of `model` by its quantized storage."""
+  """Replaces, in place, every float Dense kernel of `model` by its quantized storage. A kernel
+  trained with LSQ step sizes is stored on their grid (exactly, in int4; quant/weights.py)."""
   check_format(fmt)
   denses = [m for _, m in nnx.iter_modules(model) if isinstance(m, Dense)
             and not isinstance(m.kernel, QuantizedKernel)]
   for dense in denses:
-    kernel = dense.kernel[...]
+    kernel = learned_grid_kernel(dense)
     n_in = len(dense.in_features)
     stacked = kernel.ndim > n_in + len(dense.out_features)
-    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked, axes=dense.kernel_axes())
+    steps = None if dense.step_size is None else dense.step_size[...]
+    dense.kernel = QuantizedKernel(kernel, fmt, n_in, stacked, axes=dense.kernel_axes(),
+                                   steps=steps)
+  return model
+
+
+def bake_learned_grid(model: nnx.Module) -> nnx.Module:
+  """Replaces, in place, every LSQ kernel by its values on the learned grid, and drops the step
+  sizes: a float model that computes what the trained one did (for export)."""
+  for _, dense in nnx.iter_modules(model):
+    if isinstance(dense, Dense) and dense.step_size is not None:
+      dense.kernel = nnx.Param(learned_grid_kernel(dense), out_sharding=dense.kernel_axes(),
+                               eager_sharding=False)
+      dense.step_size = None
   return model
 
 

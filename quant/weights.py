@@ -10,7 +10,10 @@ stack that is one layer at a time.
 Formats (per layer of a stacked kernel, seen as a matrix [inputs, outputs]):
   int8  one absmax scale per output channel; 1 byte per weight
   int4  one absmax scale per group of 64 inputs of each output channel (fewer where 64 does not
-        divide the inputs); codes packed two per byte, because XLA:CPU stores jnp.int4 in a byte
+        divide the inputs); codes packed two per byte, because XLA:CPU stores jnp.int4 in a byte.
+        A kernel trained with learned step sizes (LSQ) is stored on its own grid instead: every
+        group of a channel takes that channel's step size, so the codes are LSQ's levels and
+        dequantizing gives back exactly the weights the run multiplied by
   nf4   QLoRA's NormalFloat-4: blocks of 64 consecutive values, double-quantized scales
 """
 import math
@@ -33,7 +36,7 @@ def _matrix_shape(shape, n_in):
   return math.prod(shape[:n_in]), math.prod(shape[n_in:])
 
 
-def _quantize_int8(w, n_in):
+def _quantize_int8(w, n_in, steps=None):
   w = w.astype(jnp.float32)
   scale = jnp.max(jnp.abs(w), axis=tuple(range(n_in))) / 127          # one per output channel
   codes = jnp.round(w / jnp.where(scale > 0, scale, 1.0)).astype(jnp.int8)
@@ -48,12 +51,17 @@ def _int4_group(inputs: int) -> int:
   return math.gcd(inputs, GROUP)
 
 
-def _quantize_int4(w, n_in):
+def _quantize_int4(w, n_in, steps=None):
+  """`steps`: LSQ's step sizes [*out], the grid to store on (None: absmax per group)."""
   inputs, outputs = _matrix_shape(w.shape, n_in)
   group = _int4_group(inputs)
   m = w.astype(jnp.float32).reshape(inputs // group, group, outputs)
-  scale = jnp.max(jnp.abs(m), axis=1) / 7                                # [groups, outputs]
-  codes = jnp.clip(jnp.round(m / jnp.where(scale > 0, scale, 1.0)[:, None]), -8, 7)
+  if steps is None:
+    scale = jnp.max(jnp.abs(m), axis=1) / 7                              # [groups, outputs]
+  else:
+    scale = jnp.broadcast_to(steps.astype(jnp.float32).reshape(outputs), (inputs // group, outputs))
+  # (a learned step may have trained through zero to a negative value: its grid is still codes * s)
+  codes = jnp.clip(jnp.round(m / jnp.where(scale != 0, scale, 1.0)[:, None]), -8, 7)
   return {'codes': pack_4bit((codes + 8).astype(jnp.uint8).reshape(-1)), 'scale': scale}
 
 
@@ -65,7 +73,7 @@ def _dequantize_int4(parts, shape, n_in):
       inputs, outputs)
 
 
-def _quantize_nf4(w, n_in):
+def _quantize_nf4(w, n_in, steps=None):
   t = quantize_nf4(w)
   return {'codes': t.codes, 'scale': t.scale, 'scale_scale': t.scale_scale,
           'scale_mean': t.scale_mean}
@@ -102,11 +110,14 @@ def check_format(fmt: str) -> None:
     raise ValueError(f'weight format {fmt!r}; allowed: {", ".join(WEIGHT_FORMATS)}')
 
 
-def quantize_parts(kernel: jax.Array, fmt: str, n_in: int, stacked: bool) -> dict:
-  """The stored parts of `kernel` in `fmt` (one set per layer when `stacked`)."""
+def quantize_parts(kernel: jax.Array, fmt: str, n_in: int, stacked: bool,
+                   steps: jax.Array | None = None) -> dict:
+  """The stored parts of `kernel` in `fmt` (one set per layer when `stacked`). `steps`: int4
+  only, LSQ's learned step sizes [*out] (per layer when stacked) as the grid; other formats
+  ignore them (the kernel given is then already on that grid)."""
   quantize = _FORMATS[fmt][0]
-  return (jax.vmap(lambda w: quantize(w, n_in)) if stacked else
-          (lambda w: quantize(w, n_in)))(kernel)
+  one = lambda w, s: quantize(w, n_in, s)
+  return (jax.vmap(one) if stacked else one)(kernel, steps)
 
 
 class QuantizedKernel(nnx.Module):
@@ -115,14 +126,14 @@ class QuantizedKernel(nnx.Module):
   carries the axes it shards by (a part a mesh axis does not divide stays whole: train/state.py)."""
 
   def __init__(self, kernel: jax.Array, fmt: str, n_in: int, stacked: bool,
-               axes: tuple | None = None):
+               axes: tuple | None = None, steps: jax.Array | None = None):
     check_format(fmt)
     self.fmt, self.n_in, self.stacked = fmt, n_in, stacked
     self.shape = tuple(kernel.shape[1:] if stacked else kernel.shape)   # one layer's shape
     self.axes = tuple(axes) if axes is not None else (None,) * kernel.ndim
     layer_axes = self.axes[1:] if stacked else self.axes
     part_axes = _FORMATS[fmt][2](layer_axes, n_in)
-    parts = quantize_parts(kernel, fmt, n_in, stacked)
+    parts = quantize_parts(kernel, fmt, n_in, stacked, steps)
     self.part_names = tuple(parts)
     for name, value in parts.items():
       names = (('layers',) if stacked else ()) + tuple(part_axes[name])

@@ -55,6 +55,27 @@ def test_full_fine_tuning_loads_every_weight_sharded_under_zero3(hf_dir):
   assert kernel.addressable_shards[0].data.size * 8 == kernel.size
 
 
+def test_what_depends_on_the_weights_is_made_from_the_loaded_ones(hf_dir):
+  """An fp32 master (bf16_master) starts as the loaded weights, and LSQ step sizes as 2 mean|w| /
+  sqrt(7) of each loaded kernel's output channel, not of the random kernel they replace."""
+  from optim.master import master_weights
+  from quant import lsq
+  config = tiny_config(**{'init_from': f'hf:{hf_dir}', 'precision': 'bf16_master',
+                          'quant.mode': 'int4', 'quant.learned_scale': True, 'mesh.data': 1,
+                          'mesh.fsdp': 8, 'parallel.zero_stage': 1})
+  s, source = _setup(config)
+  state = init_from.initial_state(s, source)
+  params = state['params']
+  master = master_weights(state['opt_state'])
+  for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(master)):
+    np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(m))
+  kernel = np.asarray(params['blocks']['mlp']['down']['kernel'], np.float32)   # [layers, mlp, embed]
+  expected = np.stack([np.asarray(lsq.initial_step_size(k, 1, bits=4)) for k in kernel])
+  np.testing.assert_allclose(params['blocks']['mlp']['down']['step_size'], expected, rtol=1e-6)
+  random = s.layout.init()['params']['blocks']['mlp']['down']['step_size']
+  assert not np.allclose(random, expected)
+
+
 def test_qlora_quantizes_on_load_into_the_sharded_base(hf_dir):
   config = finetune.finetune_config('qlora', 'tiny')
   config.init_from = f'hf:{hf_dir}'

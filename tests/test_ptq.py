@@ -117,3 +117,41 @@ def test_a_run_without_checkpoints_is_refused_and_left_as_it_was(tmp_path):
   with pytest.raises(CheckpointError, match='checkpoints does not exist; train first'):
     ptq.restore_params(str(tmp_path), config)
   assert sorted(p.name for p in tmp_path.iterdir()) == ['config.json']
+
+
+def test_an_lsq_model_exports_and_quantizes_on_its_learned_grid():
+  """After training moved the step sizes, the exported float weights (train/export_hf.py) and the
+  int4 storage of post-training quantization both give the run's own quantized logits: the
+  kernels on the learned grid, not the raw kernels nor an absmax grid. What remains is the fp32
+  rounding of the step (LSQ's gradient-scaling identity, s f + (s - s f)): a few ulps."""
+  from train.export_hf import merged_params
+  config = tiny_config(**{'quant.mode': 'int4', 'quant.learned_scale': True,
+                          'train.learning_rate': 1e-2})
+  s = run.setup(config, jax.devices()[:1])
+  state = s.layout.init()
+  tokens = random_tokens((4, 33))
+  for i in range(3):
+    with s.context():
+      state, _ = s.train_step(state, {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]})
+  params = state['params']
+  moved = np.abs(np.asarray(params['blocks']['mlp']['down']['step_size']) -
+                 np.asarray(s.layout.init()['params']['blocks']['mlp']['down']['step_size']))
+  assert moved.max() > 0
+  run_model = nnx.merge(s.layout.graphdef, params)
+  expected = np.asarray(run_model(tokens[:, :-1]))
+
+  float_config = tiny_config()
+  float_model = run.setup(float_config, jax.devices()[:1]).spec.build()
+  nnx.update(float_model, nnx.State(merged_params(config, params, {})))
+  exported = np.asarray(float_model(tokens[:, :-1]))
+  np.testing.assert_allclose(exported, expected, rtol=1e-5, atol=1e-5)
+
+  quantized = ptq.build_quantized(config, checks.policy(config), params, 'int4')
+  np.testing.assert_allclose(np.asarray(quantized(tokens[:, :-1])), expected, rtol=1e-5, atol=1e-5)
+  # the raw kernels (what an export that dropped the step sizes gave) are measurably elsewhere
+  raw = run.setup(float_config, jax.devices()[:1]).spec.build()
+  from flax import traverse_util
+  nnx.update(raw, nnx.State(traverse_util.unflatten_dict({
+      k: np.asarray(v) for k, v in traverse_util.flatten_dict(params).items()
+      if k[-1] != 'step_size'})))
+  assert np.abs(np.asarray(raw(tokens[:, :-1])) - expected).max() > 1e-3

@@ -12,7 +12,7 @@ from absl import app, flags, logging
 from flax import nnx, traverse_util
 
 from configs import default
-from models.dense import dequantize_weights
+from models.dense import bake_learned_grid, dequantize_weights
 from models.lora import merge
 from train import checks
 from train.checkpoint import CheckpointError
@@ -26,10 +26,11 @@ _STEP = flags.DEFINE_integer('step', None, 'The checkpoint step; default the lat
 
 
 def merged_params(config, params: dict, frozen: dict) -> dict:
-  """The float parameters of the model with every adapter merged in (a pure dict)."""
+  """The float parameters of the model with every adapter merged in and every LSQ kernel on its
+  learned grid (a pure dict): the weights the run's forward pass multiplies by."""
   spec = checks.model_spec(config)
   graphdef = nnx.split(nnx.eval_shape(spec.build), spec.trainable, ...)[0]
-  model = dequantize_weights(merge(nnx.merge(graphdef, params, frozen)))
+  model = bake_learned_grid(dequantize_weights(merge(nnx.merge(graphdef, params, frozen))))
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 

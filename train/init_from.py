@@ -5,8 +5,11 @@ The model's shape is the source's (read from its config.json before anything is 
 weights are read and placed one tensor at a time, each straight into its sharding on the current
 mesh, and (QLoRA) quantized as soon as it is on the devices, so neither the host nor the devices
 ever hold two copies of the model, and a quantized base never exists whole in floats. What the
-source does not hold (LoRA adapters, fp8 amax histories, the optimizer state) comes from the
-random initialiser, jitted without the base so that XLA drops the random base altogether.
+source does not hold (LoRA adapters, fp8 amax histories) comes from the random initialiser,
+jitted without the base so that XLA drops the random base altogether. What depends on the weights
+is made from the loaded ones: LSQ step sizes (2 mean|w| / sqrt(qmax) of each loaded kernel's output
+channel), and the optimizer state (an fp32 master copy, where the policy keeps one, starts as the
+loaded weights in their stored dtype).
 """
 import dataclasses
 import json
@@ -21,6 +24,7 @@ from models import ModelConfig
 from models.config import COMPUTE_FIELDS
 from models.lora import dense_paths
 from parallel.sharding import logical_axes_tree, shardings_for
+from quant import lsq
 from quant.weights import quantize_parts
 from train.checkpoint import Checkpointer
 
@@ -149,6 +153,7 @@ class BaseLeaf:
   path: tuple
   source: jax.ShapeDtypeStruct   # shape, dtype and sharding it is read into
   dense: object | None           # a Dense whose kernel is stored quantized (QLoRA), else None
+  layer: object | None = None    # the Dense whose kernel this is (None: not a kernel)
 
 
 def base_leaves(s) -> list[BaseLeaf]:
@@ -170,9 +175,9 @@ def base_leaves(s) -> list[BaseLeaf]:
     if isinstance(placed[path], dict):   # quantized parts: read in the compute dtype, then quantized
       abstract = jax.ShapeDtypeStruct(shape.shape, spec.policy.compute_dtype,
                                       sharding=float_shardings[path])
-      leaves.append(BaseLeaf(path, abstract, kernels[path]))
+      leaves.append(BaseLeaf(path, abstract, kernels[path], kernels[path]))
     else:
-      leaves.append(BaseLeaf(path, placed[path], None))
+      leaves.append(BaseLeaf(path, placed[path], None, kernels.get(path)))
   return leaves
 
 
@@ -194,14 +199,16 @@ def initial_state(s, source: Source) -> dict:
   def rest():   # everything else from the random initialiser; the base is not returned, so XLA
     state = layout.init_fn()   # drops it
     state.pop('frozen', None)
-    if where == 'params':
+    if where == 'params':   # the optimizer state is made from the loaded weights, below
       state['params'] = _drop(state['params'], paths)
+      state.pop('opt_state')
     return state
 
   rest_shardings = dict(layout.shardings)
   rest_shardings.pop('frozen', None)
   if where == 'params':
     rest_shardings['params'] = _drop(rest_shardings['params'], paths)
+    rest_shardings.pop('opt_state')
   state = jax.jit(rest, out_shardings=rest_shardings)()
   quantized = {leaf.path for leaf in leaves if leaf.dense is not None}
   # Every frozen leaf is a base weight, filled below; trainable ones are filled where they are base.
@@ -216,5 +223,20 @@ def initial_state(s, source: Source) -> dict:
                          out_shardings=shardings[leaf.path])
       value = quantize(value)
     values[leaf.path] = value
+    step_path = leaf.path[:-1] + ('step_size',)
+    if leaf.layer is not None and step_path in values:   # LSQ: step sizes of the loaded kernel
+      values[step_path] = _initial_step_sizes(leaf, value, shardings[step_path])
   state[where] = traverse_util.unflatten_dict(values)
+  if where == 'params':   # the optimizer starts from the loaded weights (its master copy, if any)
+    state['opt_state'] = layout.init_optimizer(state['params'])
   return state
+
+
+def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, sharding) -> jax.Array:
+  """LSQ's starting step sizes (quant/lsq.py) of a loaded kernel, per layer where it is stacked."""
+  dense = leaf.layer
+  n_in = len(dense.in_features)
+  one = lambda k: lsq.initial_step_size(k, n_in, bits=4)
+  if kernel.ndim > n_in + len(dense.out_features):
+    one = jax.vmap(one)
+  return jax.jit(one, out_shardings=sharding)(kernel)

@@ -85,6 +85,7 @@ class StateLayout:
   update_shardings: Any    # where the optimizer's updates are formed: with its state (ZeRO-1 and up)
   init: Callable[[], Any]  # jitted: creates the state already sharded
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
+  init_optimizer: Callable[[Any], Any]   # jitted: a fresh optimizer state for given parameters
 
 
 def block_axis(sharding) -> int:
@@ -153,7 +154,8 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   return StateLayout(graphdef, abstract, shardings, grad_sharding, moment_sharding,
-                     jax.jit(init, out_shardings=shardings), init)
+                     jax.jit(init, out_shardings=shardings), init,
+                     jax.jit(tx.init, out_shardings=opt_sharding))
 
 
 def frozen_shardings(abstract_rest, frozen_shapes, mesh: Mesh, rules: LayoutRules):
