@@ -32,9 +32,10 @@ The rest is the largest of three phases, each holding the gradients and whatever
 - the optimizer update (`update`, counted only where it exceeds the larger backward phase): one
   fp32 buffer of the (optimizer-sharded) parameters' size between the moments and the new
   weights, plus, with 16-bit weights, a copy of the weights and moments as they are rewritten.
-  8-bit moments write each slice's step over that slice's gradient (no step buffer of their
-  own); the update chain after the loop (weight decay, learning rate) holds two fp32 buffers of
-  the largest tensor, being run tensor by tensor.
+  8-bit Adam runs its whole chain (clipping, Adam, weight decay, learning rate) one slice of a
+  tensor at a time and writes each slice's update over that slice's gradient
+  (optim/adam8bit.py): what it adds is one slice's fp32 working set (the gradient, both moments
+  and the update) of the largest tensor.
 
 Saved activations, per token per layer (`saved_per_token_per_layer`). Without remat: 6 d_model rows
 (4 fp32 inside the two RMSNorms, 2 normed outputs in the compute dtype), query and attention output
@@ -96,6 +97,7 @@ from precision.policy import Policy
 
 FP32 = 4
 QUANTIZED_MIN_SIZE = 4096   # optim/adam8bit.py: smaller tensors keep fp32 moments
+UPDATE_SLICES = 16          # optim/adam8bit.py: a quantized moment is updated a sixteenth at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,10 +437,10 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
     # rewritten (XLA:CPU computes in fp32 and converts back).
     p = policy.param_bytes
     return {'chain': cfg.num_params * (FP32 + (p if p < FP32 else 0)) / ways}
-  # The chain after the 8-bit loop runs tensor by tensor: the largest one's fp32 step and update.
+  # One slice of the largest tensor at a time: its gradient, moments and update in fp32.
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
-  return {'chain': 2 * largest}
+  return {'chain': 4 * largest / UPDATE_SLICES}
 
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:

@@ -37,14 +37,15 @@ def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
     # Adam sees the histories as masked (optax.multi_transform below): so must their block axes.
     block_axes = jax.tree_util.tree_map_with_path(
         lambda path, axis: optax.MaskedNode() if is_history(path) else axis, block_axes)
-  if adam_bits == 8:
-    adam = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
-                      weight_decay=train_cfg.weight_decay, mask=weight_decay_mask,
-                      block_size=block_size, block_axes=block_axes)
+  if adam_bits == 8:   # clipping fused into the 8-bit update (optim/adam8bit.py)
+    tx = adamw_8bit(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
+                    weight_decay=train_cfg.weight_decay, mask=weight_decay_mask,
+                    max_grad_norm=train_cfg.grad_clip, block_size=block_size,
+                    block_axes=block_axes)
   else:
-    adam = optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
-                       weight_decay=train_cfg.weight_decay, mask=weight_decay_mask)
-  tx = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adam)
+    tx = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
+                     optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
+                                 weight_decay=train_cfg.weight_decay, mask=weight_decay_mask))
   if master_dtype is not None:
     tx = with_master_weights(tx, master_dtype)
   if not amax_histories:

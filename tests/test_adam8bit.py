@@ -124,3 +124,37 @@ def test_eight_bit_moments_shard_their_blocks_under_zero3_and_train():
 def test_bad_eight_bit_settings_are_refused(overrides, message):
   with pytest.raises(checks.ConfigError, match=message):
     run.setup(tiny_config(**overrides))
+
+
+def test_the_fused_update_equals_the_optax_chain_it_replaces():
+  """adamw_8bit runs clipping, Adam, weight decay and the learning rate inside its slice loop; its
+  state is the unfused chain's (checkpoints restore either way) and its updates equal the chain's
+  up to fp32 rounding (the clip factor applied as one multiply instead of a divide and a multiply),
+  with the clip triggered (step 1) and not."""
+  import optax
+  from optim.adam8bit import adamw_8bit
+  from optim.decay import weight_decay_mask
+  schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+  params = {'kernel': jax.random.normal(jax.random.key(0), (64, 256)), 'scale': jnp.ones((64,)),
+            'embedding': jax.random.normal(jax.random.key(1), (300, 64))}
+  fused = adamw_8bit(schedule, 0.9, 0.95, 0.1, weight_decay_mask, max_grad_norm=1.0,
+                     block_size=256)
+  chain = optax.chain(optax.clip_by_global_norm(1.0), optax.chain(
+      scale_by_adam_8bit(0.9, 0.95, 1e-8, 256), optax.add_decayed_weights(0.1, weight_decay_mask),
+      optax.scale_by_learning_rate(schedule)))
+  fused_state, chain_state = fused.init(params), chain.init(params)
+  assert jax.tree.structure(fused_state) == jax.tree.structure(chain_state)
+  for i in range(3):
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(10 + i), p.shape)
+                         * (3.0 if i == 1 else 0.01), params)
+    fused_updates, fused_state = jax.jit(fused.update)(grads, fused_state, params)
+    chain_updates, chain_state = jax.jit(chain.update)(grads, chain_state, params)
+    for a, b in zip(jax.tree.leaves(fused_updates), jax.tree.leaves(chain_updates)):
+      np.testing.assert_allclose(a, b, rtol=2.0**-20, atol=2.0**-20 * float(jnp.abs(b).max()))
+    for a, b in zip(jax.tree.leaves(fused_state), jax.tree.leaves(chain_state)):
+      floating = jnp.issubdtype(a.dtype, jnp.floating) and a.ndim > 0   # fp32 moments, scales
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      if floating:
+        np.testing.assert_allclose(a, b, rtol=2.0**-18, atol=2.0**-20 * np.abs(b).max())
+      else:   # 8-bit codes: a value on a code boundary may round either way; counts are equal
+        assert np.abs(a - b).max() <= 1

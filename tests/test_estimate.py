@@ -17,6 +17,7 @@ TOLERANCE = 0.10
 CASES = [
     ('ddp', {'precision': 'fp32'}),
     ('zero1', {'precision': 'fp32', 'quant.adam_bits': 8}),
+    ('zero2', {'precision': 'bf16_master'}),   # 2 + 2 + 12 bytes, the master in the optimizer
     ('zero2', {'precision': 'bf16_mixed', 'train.microbatches': 2, 'train.batch_size': 16}),
     ('fsdp', {'precision': 'bf16_mixed'}),
     ('tp', {'precision': 'bf16', 'model.num_kv_heads': 4}),   # tp splits kv heads 4 ways
