@@ -18,7 +18,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.description = 'one device (or data parallel over all of them)'
   config.model = presets.model(preset)
   config.model.remat = shape['remat']     # none | full | dots | qkv
-  config.precision = shape['precision']   # fp32 | bf16_mixed | bf16 | fp16
+  config.precision = shape['precision']   # fp32 | bf16_mixed | bf16_master | bf16 | fp16
 
   config.train = dict(
       steps=shape['steps'],
