@@ -123,8 +123,8 @@ def test_a_checkpoint_moves_between_zero3_and_one_device_with_the_master_intact(
   np.testing.assert_allclose(on_one, on_eight, rtol=2.0**-8)
 
 
-@pytest.mark.parametrize('overrides', [{'quant.adam_bits': 8}, {'lora.rank': 2},
-                                       {'train.microbatches': 2, 'train.batch_size': 16}])
+@pytest.mark.parametrize('overrides', [
+    {'quant.adam_bits': 8, 'train.microbatches': 2, 'train.batch_size': 16}, {'lora.rank': 2}])
 def test_it_composes_with_8bit_adam_lora_and_microbatches(overrides):
   s = run.setup(config_for('fsdp', precision='bf16_master', **overrides))
   state, losses = train(s, s.layout.init(), steps=2)
