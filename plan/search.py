@@ -190,7 +190,8 @@ def assumptions(target: Target) -> str:
 
 def tradeoff(chosen: Candidate, candidates: list[Candidate], budget: float) -> str | None:
   """What keeping an fp32 master cost against the fastest pure-bf16 recipe that fits, or None
-  when no such recipe is faster (or the chosen one is pure bf16 itself)."""
+  when no such recipe is at least 1 % faster by the model (the chosen one being pure bf16 itself
+  is said as such)."""
   if not keeps_fp32_update(chosen):
     return (f'quality: {chosen.recipe.precision} updates bf16 weights directly (allowed by '
             f'--plan_allow_pure_bf16): a step below half a bf16 spacing of a weight is lost')
@@ -198,7 +199,7 @@ def tradeoff(chosen: Candidate, candidates: list[Candidate], budget: float) -> s
   if not pure:
     return None
   best = min(pure, key=lambda c: c.seconds['total'])
-  if best.seconds['total'] >= chosen.seconds['total']:
+  if best.seconds['total'] * 1.01 > chosen.seconds['total']:
     return None
   return (f'quality: kept an fp32 master ({chosen.recipe.precision}, '
           f'{chosen.seconds["total"]:.2f} s per step) over the fastest pure-bf16 recipe '
