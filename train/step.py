@@ -2,8 +2,9 @@
 
 Reads top to bottom: split the batch into microbatches, accumulate gradients in the weights'
 dtype (one scan; where gradients are replicated, per device, reduced once; fp8 amax histories'
-updates by their maximum, quant/fp8.py), (fp16) unscale, apply AdamW unless the loss or a gradient is not finite (an fp16 overflow, or a run that
-diverged: the update is skipped on the device), (fp16) adjust the scale. Gradients are taken of the
+updates by their maximum, quant/fp8.py), (fp16) unscale, apply AdamW unless the loss or a
+gradient is not finite (an fp16 overflow, or a run that diverged: the update is skipped on the
+device), (fp16) adjust the scale. Gradients are taken of the
 trainable parameters only; a frozen base (LoRA) is an input of the loss and passes through the
 step unchanged.
 """
