@@ -152,8 +152,8 @@ class BaseLeaf:
   """One base weight as the source holds it (float) and where it goes in the train state."""
   path: tuple
   source: jax.ShapeDtypeStruct   # shape, dtype and sharding it is read into
-  dense: object | None           # a Dense whose kernel is stored quantized (QLoRA), else None
-  layer: object | None = None    # the Dense whose kernel this is (None: not a kernel)
+  layer: object | None           # the Dense whose kernel this is (None: not a kernel)
+  quantized: bool = False        # stored quantized (QLoRA's base): read in floats, then quantized
 
 
 def base_leaves(s) -> list[BaseLeaf]:
@@ -175,9 +175,9 @@ def base_leaves(s) -> list[BaseLeaf]:
     if isinstance(placed[path], dict):   # quantized parts: read in the compute dtype, then quantized
       abstract = jax.ShapeDtypeStruct(shape.shape, spec.policy.compute_dtype,
                                       sharding=float_shardings[path])
-      leaves.append(BaseLeaf(path, abstract, kernels[path], kernels[path]))
+      leaves.append(BaseLeaf(path, abstract, kernels[path], quantized=True))
     else:
-      leaves.append(BaseLeaf(path, placed[path], None, kernels.get(path)))
+      leaves.append(BaseLeaf(path, placed[path], kernels.get(path)))
   return leaves
 
 
@@ -210,15 +210,15 @@ def initial_state(s, source: Source) -> dict:
     rest_shardings['params'] = _drop(rest_shardings['params'], paths)
     rest_shardings.pop('opt_state')
   state = jax.jit(rest, out_shardings=rest_shardings)()
-  quantized = {leaf.path for leaf in leaves if leaf.dense is not None}
+  quantized = {leaf.path for leaf in leaves if leaf.quantized}
   # Every frozen leaf is a base weight, filled below; trainable ones are filled where they are base.
   values = _flat(layout.abstract['frozen'] if where == 'frozen' else state['params'], quantized)
   shardings = _flat(layout.shardings[where], quantized)
   for leaf in leaves:
     value = source.read(leaf.path, leaf.source)
-    if leaf.dense is not None:   # QLoRA: quantized as soon as it is on the devices
-      n_in = len(leaf.dense.in_features)
-      stacked = value.ndim > n_in + len(leaf.dense.out_features)
+    if leaf.quantized:   # QLoRA: quantized as soon as it is on the devices
+      n_in = len(leaf.layer.in_features)
+      stacked = value.ndim > n_in + len(leaf.layer.out_features)
       quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, n_in, stacked),
                          out_shardings=shardings[leaf.path])
       value = quantize(value)
