@@ -1,8 +1,12 @@
-"""Data: the byte tokenizer (or a Hugging Face one), corpus files and their split, and the packed batch streams."""
+"""Data: tokenizers, corpus files and their split, preparation into token shards, and the batches
+read from them."""
 
-from data.corpus import DataError, Shard, list_files, load_tokens, split_files
-from data.pipeline import TokenBatches, eval_batches
+from data.corpus import DataError, Shard, list_files, split_files
+from data.pipeline import TokenBatches, eval_batches, eval_window_indices
+from data.shards import PreparedData, SplitShards
 from data.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
+from data.windows import IGNORED, Windows, batch_keys
 
-__all__ = ["ByteTokenizer", "DataError", "HFTokenizer", "make_tokenizer", "Shard", "TokenBatches", "eval_batches", "list_files",
-           "load_tokens", "split_files"]
+__all__ = ["ByteTokenizer", "DataError", "HFTokenizer", "IGNORED", "PreparedData", "Shard",
+           "SplitShards", "TokenBatches", "Windows", "batch_keys", "eval_batches",
+           "eval_window_indices", "list_files", "make_tokenizer", "split_files"]

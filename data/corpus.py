@@ -1,4 +1,4 @@
-"""Which files make up a corpus, how they split into train and validation, and reading them.
+"""Which files make up a corpus, and how they split into train and validation.
 
 The corpus is a glob of text files (`data.path`), or, when empty, the embedded default: every
 `.py` file of the running interpreter's standard library (~1790 files, ~31.5 MB on Python 3.11),
@@ -16,9 +16,6 @@ import os
 import sysconfig
 from typing import NamedTuple, Sequence
 
-import numpy as np
-
-from data.tokenizer import ByteTokenizer
 
 
 class DataError(ValueError):
@@ -92,21 +89,3 @@ def split_files(root: str, files: Sequence[str],
   cut = 1.0 - val_fraction
   return ([Shard(path, 0.0, cut) for path in sorted(files)],
           [Shard(path, cut, 1.0) for path in sorted(files)])
-
-
-def _read_shard(shard: Shard) -> bytes:
-  with open(shard.path, "rb") as f:
-    data = f.read()
-  # The same int() of the same product on both sides, so a byte cut leaves no gap or overlap.
-  return data[int(len(data) * shard.start_fraction):int(len(data) * shard.end_fraction)]
-
-
-def load_tokens(shards: Sequence[str | Shard], tokenizer: ByteTokenizer | None = None) -> np.ndarray:
-  """Reads the shards (or whole files, given as paths) raw and tokenizes their concatenation.
-
-  Shards are read in sorted order, each followed by b'\\n' so that one document's last line does
-  not glue onto the next one's first. Bytes are never decoded, so any file round-trips.
-  """
-  tokenizer = tokenizer or ByteTokenizer()
-  shards = sorted(Shard(s) if isinstance(s, str) else s for s in shards)
-  return tokenizer.encode(b"".join(_read_shard(s) + b"\n" for s in shards))

@@ -1,15 +1,18 @@
-"""The training and evaluation batch streams: packed windows, per-process shares, exact resume.
+"""The training and evaluation batches: rows per process, exact resume, a fixed evaluation set.
 
-The loader is a grain.MapDataset, i.e. random access: the batch at step s is a pure function of
-(seed, s). The iterator's state is therefore just the step number (plus what identifies the
-stream, to refuse a state from another one), and resuming is exact by construction.
+Training: a grain.MapDataset, random access, so the batch at step s is a pure function of
+(seed, s) and the iterator's state is just the step number (plus what identifies the stream, to
+refuse a state from another one). Row r of the global batch (of B rows) draws from its own lane:
+the r-th of B contiguous ranges of the split's windows, shuffled afresh every epoch of the lane.
+So every batch takes one window from each 1/B of the corpus; process p of P, which feeds rows
+[p*B/P, (p+1)*B/P), reads only its lanes' windows, i.e. only the shards of its 1/P of the corpus
+(with a neighbouring process it shares at most the shard its boundary falls in); and the batches do
+not depend on P, so a run resumes on another process count with the same data.
 
-The stream of window indices is shuffle -> repeat: a fresh permutation of all windows for each
-epoch, forever. It is cut into global batches of global_batch_size consecutive indices, so a
-batch may straddle two epochs but every window is seen exactly once per epoch. Process p of P
-takes rows [p*B/P, (p+1)*B/P) of each global batch and reads only those windows.
+Evaluation: a fixed set of windows spread evenly over the validation split, enough for
+`train.eval_tokens`, laid out as [batches, B rows] so that each row (and so each process) reads a
+contiguous run of them.
 """
-
 import hashlib
 import numbers
 
@@ -17,11 +20,10 @@ import grain
 import numpy as np
 
 from data.corpus import DataError
-from data.windows import count_windows, gather_windows
+from data.windows import Windows
 
-
-# Windows in the repeated stream: far more than any run reads, and a length grain can still batch.
-_ENDLESS_WINDOWS = 2**62
+# Steps in the stream: far more than any run takes.
+_ENDLESS = 2**62
 
 
 def _check_sharding(batch_size: int, process_index: int, process_count: int, name: str) -> int:
@@ -36,54 +38,48 @@ def _check_sharding(batch_size: int, process_index: int, process_count: int, nam
   return batch_size // process_count
 
 
-def _shuffle_seed(seed: int) -> int:
+def _lane_seed(seed: int, lane: int) -> int:
   # grain shuffles epoch e with (seed + e) mod 2**32, so user seeds 0 and 1 would share all but
-  # one epoch's order. Hashing the seed first makes neighbouring seeds unrelated.
-  return int(hashlib.sha256(f"TokenBatches/{seed}".encode()).hexdigest()[:8], 16)
-
-
-def _process_batches(window_order: grain.MapDataset, tokens: np.ndarray, seq_len: int,
-                     global_batch_size: int, process_index: int,
-                     process_count: int) -> grain.MapDataset:
-  """Batch s of the result is process `process_index`'s rows of global batch s."""
-  rows = global_batch_size // process_count
-  # Batching the stream by the per-process row count makes global batch s the P consecutive
-  # local batches s*P .. s*P+P-1; the slice keeps this process's one, so only its windows are read.
-  return (window_order.batch(rows)
-          .slice(slice(process_index, None, process_count))
-          .map(lambda window_indices: gather_windows(tokens, window_indices, seq_len)))
+  # one epoch's order. Hashing first makes neighbouring seeds (and lanes) unrelated.
+  return int(hashlib.sha256(f"TokenBatches/{seed}/{lane}".encode()).hexdigest()[:8], 16)
 
 
 class TokenBatches:
-  """Endless, checkpointable iterator of {'inputs', 'targets'}: int32 [B/P, seq_len] batches."""
+  """Endless, checkpointable iterator of {'inputs', 'targets', 'segments'}: int32 [B/P, seq_len]."""
 
-  def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, seed: int,
-               shuffle: bool = True, process_index: int = 0, process_count: int = 1):
-    self._tokens = np.asarray(tokens)
-    self._num_windows = count_windows(self._tokens, seq_len)
-    _check_sharding(global_batch_size, process_index, process_count, "global_batch_size")
-    self._seq_len = seq_len
+  def __init__(self, windows: Windows, *, global_batch_size: int, seed: int, shuffle: bool = True,
+               process_index: int = 0, process_count: int = 1):
+    rows = _check_sharding(global_batch_size, process_index, process_count, "train.batch_size")
+    total = windows.num_windows
+    if total < global_batch_size:
+      raise DataError(f"the train split has {total} windows of seq_len={windows.seq_len}; "
+                      f"train.batch_size={global_batch_size} needs one per row at least: use a "
+                      "smaller batch or seq_len, or more data")
+    self._windows = windows
     self._global_batch_size = global_batch_size
-    self._seed = int(seed)
-    self._shuffle = bool(shuffle)
-    window_order = grain.MapDataset.range(self._num_windows)
-    if self._shuffle:
-      window_order = window_order.shuffle(seed=_shuffle_seed(self._seed))
-    # repeat() reseeds the shuffle per epoch. A finite (if unreachable) epoch count: grain's
-    # endless repeat has length sys.maxsize, and batching that by one row overflows its length.
-    window_order = window_order.repeat(num_epochs=max(_ENDLESS_WINDOWS // self._num_windows, 1))
-    self._batches = _process_batches(window_order, self._tokens, seq_len, global_batch_size,
-                                     process_index, process_count)
+    self._seed, self._shuffle = int(seed), bool(shuffle)
+    lanes = range(process_index * rows, (process_index + 1) * rows)
+    bounds = [(lane * total // global_batch_size, (lane + 1) * total // global_batch_size)
+              for lane in lanes]
+    orders = []
+    for lane, (low, high) in zip(lanes, bounds):
+      order = grain.MapDataset.range(low, high)
+      if self._shuffle:
+        order = order.shuffle(seed=_lane_seed(self._seed, lane))
+      # repeat() reseeds the shuffle per epoch.
+      orders.append(order.repeat(num_epochs=_ENDLESS // (high - low)))
+    self._batches = grain.MapDataset.range(_ENDLESS).map(
+        lambda step: windows.gather([order[step] for order in orders]))
     self._step = 0
 
   @property
   def num_windows(self) -> int:
-    return self._num_windows
+    return self._windows.num_windows
 
   @property
   def tokens_per_batch(self) -> int:
     """Input tokens in one global batch (all processes together)."""
-    return self._global_batch_size * self._seq_len
+    return self._global_batch_size * self._windows.seq_len
 
   def __iter__(self) -> "TokenBatches":
     return self
@@ -96,9 +92,11 @@ class TokenBatches:
   def _identity(self) -> dict:
     # What must match for a saved step to mean the same batches. The process layout is not part
     # of it: the step counts global batches, so a run may resume on a different process count.
-    return {"seed": self._seed, "seq_len": self._seq_len,
-            "global_batch_size": self._global_batch_size,
-            "num_tokens": int(len(self._tokens)), "shuffle": self._shuffle}
+    shards = self._windows.shards
+    return {"seed": self._seed, "seq_len": self._windows.seq_len,
+            "global_batch_size": self._global_batch_size, "packing": self._windows.packing,
+            "num_tokens": int(shards.tokens.sum()), "num_windows": self.num_windows,
+            "shuffle": self._shuffle}
 
   def get_state(self) -> dict:
     """A JSON-serializable dict: the next step to yield plus the stream's identity."""
@@ -117,21 +115,29 @@ class TokenBatches:
     self._step = int(step)
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
-                 process_index: int = 0, process_count: int = 1) -> list[dict]:
-  """The first num_batches * batch_size windows, unshuffled, as this process's rows per batch.
+def eval_window_indices(num_windows: int, *, batch_size: int, eval_tokens: int,
+                        seq_len: int) -> np.ndarray:
+  """[batches, batch_size] window indices: enough whole batches for `eval_tokens` input tokens
+  (all the split holds, if fewer), spread evenly over the split; row r holds a contiguous run."""
+  if eval_tokens < 1:
+    raise DataError(f"train.eval_tokens={eval_tokens!r} must be a positive integer")
+  batches = min(-(-eval_tokens // (batch_size * seq_len)), num_windows // batch_size)
+  if batches < 1:
+    raise DataError(f"the validation split has {num_windows} windows of seq_len={seq_len}; one "
+                    f"evaluation batch needs batch_size={batch_size}: use a smaller batch, a "
+                    "larger data.val_fraction or more data")
+  count = batches * batch_size
+  spread = np.arange(count, dtype=np.int64) * num_windows // count
+  return spread.reshape(batch_size, batches).T
 
-  Fewer batches when the corpus holds fewer whole batches; a DataError when it holds none.
-  """
-  num_windows = count_windows(np.asarray(tokens), seq_len)
-  _check_sharding(batch_size, process_index, process_count, "batch_size")
-  if num_batches < 1:
-    raise DataError(f"num_batches={num_batches!r} must be a positive integer")
-  num_batches = min(num_batches, num_windows // batch_size)
-  if num_batches < 1:
-    raise DataError(f"the evaluation corpus has {len(tokens)} tokens = {num_windows} sequences of "
-                    f"seq_len={seq_len}; one eval batch needs batch_size={batch_size} sequences")
-  window_order = grain.MapDataset.range(num_batches * batch_size)
-  batches = _process_batches(window_order, np.asarray(tokens), seq_len, batch_size,
-                             process_index, process_count)
-  return [batches[i] for i in range(num_batches)]
+
+def eval_batches(windows: Windows, *, batch_size: int, eval_tokens: int, process_index: int = 0,
+                 process_count: int = 1) -> dict:
+  """This process's rows of the evaluation set: {'inputs', 'targets', 'segments'}, each int32
+  [batches, batch_size / process_count, seq_len]."""
+  rows = _check_sharding(batch_size, process_index, process_count, "train.batch_size")
+  indices = eval_window_indices(windows.num_windows, batch_size=batch_size,
+                                eval_tokens=eval_tokens, seq_len=windows.seq_len)
+  mine = indices[:, process_index * rows:(process_index + 1) * rows]
+  gathered = windows.gather(mine.T.reshape(-1))   # row by row: each row's run is contiguous
+  return {k: v.reshape(rows, mine.shape[0], -1).swapaxes(0, 1) for k, v in gathered.items()}

@@ -1,16 +1,33 @@
-"""The byte-level tokenizer: token id = byte value, so any file or string round-trips exactly.
+"""Tokenizers: bytes (token id = byte value, so any file round-trips exactly) or a Hugging Face
+`tokenizer.json`; each with the ids that mark where a document begins and ends, and an identity
+that prepared shards record (data/prepare.py) so that they are never read with another tokenizer.
 
-No vocabulary file, no training, no unknown tokens: the simplest tokenizer that can never
-lose data, and the one every corpus in this project is encoded with today.
+Document markers: a prepared document is stored as [bos] + its tokens + [eos]. The byte tokenizer
+has no spare id below 256 (the byte presets' vocabulary), so it marks both ends with id 0, the NUL
+byte, which text never contains; preparing a file that holds a NUL byte is refused. A Hugging Face
+tokenizer uses the `bos_token` / `eos_token` of the `tokenizer_config.json` beside it; a tokenizer
+without them marks nothing (documents are still kept apart by segment ids when packed).
 """
+import hashlib
+import json
+import os
 
 import numpy as np
+
+# The byte tokenizer's document marker (both ends): the NUL byte.
+BYTE_SEPARATOR = 0
 
 
 class ByteTokenizer:
   """Maps bytes to ids 0..255 and back; str is encoded as UTF-8."""
 
   vocab_size = 256
+  bos_id = eos_id = BYTE_SEPARATOR
+
+  def identity(self) -> dict:
+    """What prepared shards record of the tokenizer that made them."""
+    return {'name': 'bytes', 'vocab_size': self.vocab_size, 'sha256': '',
+            'bos_id': self.bos_id, 'eos_id': self.eos_id}
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -33,10 +50,10 @@ class ByteTokenizer:
 class HFTokenizer:
   """A Hugging Face tokenizer (`tokenizer.json`, read by the `tokenizers` library), for fine-tuning
   an imported checkpoint on text in its own vocabulary. Text is decoded from UTF-8 (invalid bytes
-  become U+FFFD) and encoded without special tokens; documents are joined as they are read."""
+  become U+FFFD) and encoded without special tokens (the document markers are added around each
+  document by the preparation)."""
 
   def __init__(self, path: str):
-    import os
     from tokenizers import Tokenizer
     file = os.path.join(path, 'tokenizer.json') if os.path.isdir(path) else path
     if not os.path.isfile(file):
@@ -47,6 +64,26 @@ class HFTokenizer:
     except Exception as e:   # the library raises its own exception types for a bad file
       raise ValueError(f'data.tokenizer={path!r}: {file} is not a tokenizer.json ({e})') from None
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    with open(file, 'rb') as f:
+      self._sha256 = hashlib.sha256(f.read()).hexdigest()
+    self.bos_id, self.eos_id = self._special_ids(os.path.dirname(file))
+
+  def _special_ids(self, directory: str) -> tuple[int | None, int | None]:
+    """bos and eos ids from the tokenizer_config.json beside tokenizer.json (None where absent)."""
+    path = os.path.join(directory, 'tokenizer_config.json')
+    if not os.path.isfile(path):
+      return None, None
+    with open(path, encoding='utf-8') as f:
+      special = json.load(f)
+    def token_id(key):
+      token = special.get(key)
+      token = token.get('content') if isinstance(token, dict) else token
+      return None if token is None else self._tokenizer.token_to_id(token)
+    return token_id('bos_token'), token_id('eos_token')
+
+  def identity(self) -> dict:
+    return {'name': 'tokenizer.json', 'vocab_size': self.vocab_size, 'sha256': self._sha256,
+            'bos_id': self.bos_id, 'eos_id': self.eos_id}
 
   def encode(self, text: str | bytes) -> np.ndarray:
     text = text if isinstance(text, str) else bytes(text).decode('utf-8', errors='replace')

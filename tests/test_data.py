@@ -5,8 +5,10 @@ import os
 import numpy as np
 import pytest
 
-from data import (ByteTokenizer, DataError, Shard, TokenBatches, eval_batches, list_files,
-                  load_tokens, split_files)
+from data import (IGNORED, ByteTokenizer, DataError, PreparedData, Shard, TokenBatches, Windows,
+                  eval_batches, eval_window_indices, list_files, split_files)
+from data.corpus import _hash_fraction
+from data.prepare import prepare
 
 
 def _take(batches, n):
@@ -16,13 +18,9 @@ def _take(batches, n):
 def _assert_same_batches(a, b):
   assert len(a) == len(b)
   for x, y in zip(a, b):
-    np.testing.assert_array_equal(x["inputs"], y["inputs"])
-    np.testing.assert_array_equal(x["targets"], y["targets"])
-
-
-def _window_ids(batch, seq_len):
-  # With tokens = arange(n), a window's first input token identifies it.
-  return (batch["inputs"][:, 0] // seq_len).tolist()
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key])
 
 
 @pytest.fixture
@@ -104,31 +102,11 @@ def test_split_depends_on_relative_path_only(text_corpus, tmp_path):
   assert rel(val, root) == rel(moved_val, moved_root)
 
 
-def test_single_file_splits_by_bytes(tmp_path):
-  path = tmp_path / "one.txt"
-  data = bytes(range(256)) * 4
-  path.write_bytes(data)
-  root, files = list_files(str(path))
-  train, val = split_files(root, files, 0.1)
-  assert train == [Shard(str(path), 0.0, 0.9)] and val == [Shard(str(path), 0.9, 1.0)]
-  train_tokens, val_tokens = load_tokens(train, ByteTokenizer()), load_tokens(val, ByteTokenizer())
-  assert train_tokens[:-1].tobytes() + val_tokens[:-1].tobytes() == data
-  assert len(val_tokens) - 1 == len(data) - int(len(data) * 0.9)
-
-
 @pytest.mark.parametrize("val_fraction", [0.0, -0.1, 0.51, 1.0, float("nan")])
 def test_split_rejects_val_fraction_outside_open_zero_to_half(text_corpus, val_fraction):
   root, files = list_files(str(text_corpus / "**" / "*.txt"))
   with pytest.raises(DataError, match="val_fraction"):
     split_files(root, files, val_fraction)
-
-
-def test_load_tokens_concatenates_raw_bytes_in_sorted_order_with_newlines(tmp_path):
-  (tmp_path / "b.txt").write_bytes(b"second")
-  (tmp_path / "a.txt").write_bytes(b"caf\xe9")
-  files = [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")]
-  tokens = load_tokens(files, ByteTokenizer())
-  assert tokens.dtype == np.uint8 and tokens.tobytes() == b"caf\xe9\nsecond\n"
 
 
 def test_default_corpus_is_the_standard_library():
@@ -138,142 +116,278 @@ def test_default_corpus_is_the_standard_library():
   assert not any("site-packages" in f or "dist-packages" in f for f in files)
   train, val = split_files(root, files, 0.01)
   assert len(train) + len(val) == len(files) and val
-  # The validation side is small (~1% of 31 MB): load it and run it through eval end to end.
-  batches = eval_batches(load_tokens(val, ByteTokenizer()), seq_len=128, batch_size=8,
-                         num_batches=2)
-  assert len(batches) == 2 and batches[0]["inputs"].shape == (8, 128)
 
 
-# --- training batches -----------------------------------------------------------------------------
+# --- preparation ----------------------------------------------------------------------------------
 
-def test_windows_are_shifted_by_one_and_match_the_corpus():
-  rng = np.random.default_rng(1)
-  tokens = rng.integers(0, 256, 1000, dtype=np.uint8)
-  seq_len = 16
-  batches = TokenBatches(tokens, seq_len=seq_len, global_batch_size=4, seed=0, shuffle=False)
-  assert batches.num_windows == (1000 - 1) // seq_len and batches.tokens_per_batch == 64
-  for step, batch in enumerate(_take(batches, 3)):
-    assert batch["inputs"].dtype == np.int32 and batch["inputs"].shape == (4, seq_len)
-    for row in range(4):
-      start = (step * 4 + row) * seq_len
-      np.testing.assert_array_equal(batch["inputs"][row], tokens[start:start + seq_len])
-      np.testing.assert_array_equal(batch["targets"][row], tokens[start + 1:start + seq_len + 1])
+def _documents(prepared: PreparedData, split: str) -> list[bytes]:
+  """Every document of the split, markers stripped, decoded back to bytes."""
+  shards, out = prepared.split(split), []
+  for i in range(len(shards)):
+    tokens, starts = np.asarray(shards.shard_tokens(i)), np.asarray(shards.document_starts(i))
+    for begin, end in zip(starts, list(starts[1:]) + [len(tokens)]):
+      doc = tokens[begin:end]
+      assert doc[0] == doc[-1] == 0   # bos and eos: the byte tokenizer's separator
+      out.append(ByteTokenizer().decode_bytes(doc[1:-1]))
+  return out
 
 
-def test_shuffled_windows_are_corpus_windows():
-  tokens = np.arange(401, dtype=np.int32)
-  batch = next(TokenBatches(tokens, seq_len=8, global_batch_size=6, seed=3))
+def _files(directory):
+  return {p.name: p.read_bytes() for p in sorted(directory.iterdir())
+          if p.name not in ("plan.json",)}
+
+
+def test_prepared_shards_decode_back_to_the_input_bytes(text_corpus, tmp_path):
+  pattern = str(text_corpus / "**" / "*.txt")
+  index = prepare(pattern, "bytes", str(tmp_path / "one"), val_fraction=0.25, shard_mb=2e-4,
+                  progress=False)
+  prepared = PreparedData(str(tmp_path / "one"))
+  root, files = list_files(pattern)
+  train, val = split_files(root, files, 0.25)
+  for split, docs in (("train", train), ("val", val)):
+    assert _documents(prepared, split) == [open(d.path, "rb").read() for d in docs]
+  assert index["dtype"] == "uint16" and len(index["splits"]["train"]["shards"]) > 2
+  assert index["splits"]["val"]["bytes"] == sum(os.path.getsize(d.path) for d in val)
+  # Two worker processes write the same files.
+  prepare(pattern, "bytes", str(tmp_path / "two"), val_fraction=0.25, shard_mb=2e-4, workers=2,
+          progress=False)
+  assert _files(tmp_path / "one") == _files(tmp_path / "two")
+
+
+def test_a_single_file_is_cut_by_bytes(tmp_path):
+  data = bytes(range(1, 256)) * 4
+  (tmp_path / "one.txt").write_bytes(data)
+  prepare(str(tmp_path / "one.txt"), "bytes", str(tmp_path / "out"), val_fraction=0.1,
+          progress=False)
+  prepared = PreparedData(str(tmp_path / "out"))
+  train, val = _documents(prepared, "train"), _documents(prepared, "val")
+  assert train[0] + val[0] == data and len(val[0]) == len(data) - int(len(data) * 0.9)
+
+
+def test_preparation_resumes_keeps_finished_shards_and_is_idempotent(text_corpus, tmp_path):
+  pattern, out = str(text_corpus / "**" / "*.txt"), tmp_path / "out"
+  index = prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
+  finished = _files(out)
+  stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+  # A kill after group 0 and in the middle of group 1: no index, group 1's record gone and one of
+  # its shards half written (under its final name only if the rename had happened: here, a stale
+  # temporary file and a damaged shard).
+  (out / "index.json").unlink()
+  (out / "group-00001.json").unlink()
+  damaged = next(out.glob("*-00001.bin"))
+  damaged.write_bytes(damaged.read_bytes()[:3])
+  (out / "train-00002.bin.tmp999").write_bytes(b"half")
+  assert prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4,
+                 progress=False) == index
+  now = _files(out)
+  assert {k: v for k, v in now.items() if ".tmp" not in k} == finished
+  kept = [p.name for p in out.iterdir() if p.name.startswith(("train-00000", "group-00000"))]
+  assert kept and all(out.joinpath(n).stat().st_mtime_ns == stamps[n] for n in kept)
+  # Finished: a re-run changes nothing.
+  stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+  assert prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4,
+                 progress=False) == index
+  assert stamps == {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+
+
+def test_bad_preparations_are_refused_in_one_line_writing_nothing(text_corpus, tmp_path):
+  pattern = str(text_corpus / "**" / "*.txt")
+  with pytest.raises(DataError, match="matches no files"):
+    prepare(str(tmp_path / "none" / "*.txt"), "bytes", str(tmp_path / "a"), progress=False)
+  assert not (tmp_path / "a").exists()
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("keep me")
+  with pytest.raises(DataError, match="not empty and holds no preparation") as info:
+    prepare(pattern, "bytes", str(tmp_path / "mine"), progress=False)
+  assert "\n" not in str(info.value) and os.listdir(tmp_path / "mine") == ["notes.txt"]
+  prepare(pattern, "bytes", str(tmp_path / "b"), val_fraction=0.25, progress=False)
+  with pytest.raises(DataError, match="preparation of other inputs.*val_fraction"):
+    prepare(pattern, "bytes", str(tmp_path / "b"), val_fraction=0.1, progress=False)
+  (text_corpus / "part1" / "nul.txt").write_bytes(b"a\x00b")
+  with pytest.raises(DataError, match="NUL byte at offset 1"):
+    prepare(pattern, "bytes", str(tmp_path / "c"), progress=False)
+
+
+def test_shards_are_checked_against_their_index_and_tokenizer(text_corpus, tmp_path):
+  out = tmp_path / "out"
+  prepare(str(text_corpus / "**" / "*.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
+  shard = out / "train-00000.bin"
+  data = bytearray(shard.read_bytes())
+  data[10] ^= 1
+  shard.write_bytes(bytes(data))
+  shards = PreparedData(str(out)).split("train")
+  with pytest.raises(DataError, match="does not match the sha256"):
+    shards.shard_tokens(0)
+  shard.write_bytes(bytes(data[:-2]))
+  with pytest.raises(DataError, match="has .* bytes but its index says"):
+    PreparedData(str(out)).split("train")
+
+  class Other(ByteTokenizer):
+    def identity(self):
+      return {**super().identity(), "name": "tokenizer.json", "sha256": "ab" * 32}
+  with pytest.raises(DataError, match="prepared with the tokenizer bytes"):
+    PreparedData(str(out)).check_tokenizer(Other())
+  with pytest.raises(DataError, match="without index.json"):
+    PreparedData(str(tmp_path))
+
+
+# --- windows and batches --------------------------------------------------------------------------
+
+@pytest.fixture
+def documents_dir(tmp_path):
+  """Train documents of 20 bytes (22 tokens with their markers), two per shard, in eight shards of
+  equal windows; and two validation documents."""
+  corpus = tmp_path / "docs"
+  corpus.mkdir()
+  names = {"train": [], "val": []}
+  for i in range(200):   # names whose path hash puts them on the side still short of documents
+    name = f"d{i:03d}.txt"
+    side = "val" if _hash_fraction(name) < 0.25 else "train"
+    if len(names[side]) < {"train": 16, "val": 2}[side]:
+      names[side].append(name)
+      (corpus / name).write_bytes(bytes([65 + i % 26]) * 20)
+  out = tmp_path / "prepared"
+  prepare(str(corpus / "*.txt"), "bytes", str(out), val_fraction=0.25, shard_mb=40 / 2**20,
+          progress=False)
+  return out
+
+
+def _stream(shards, shard):
+  return np.asarray(shards.shard_tokens(shard), np.int32)
+
+
+def test_packed_windows_carry_segments_and_skip_targets_across_documents(documents_dir):
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=8, packing=True)
+  assert windows.num_windows == sum((t - 1) // 8 for t in shards.tokens)
+  batch = windows.gather(np.arange(windows.num_windows))
+  assert set(batch) == {"inputs", "targets", "segments"}
+  first = 0
+  for shard in range(len(shards)):
+    tokens, starts = _stream(shards, shard), np.asarray(shards.document_starts(shard))
+    for k in range((len(tokens) - 1) // 8):
+      row = first + k
+      span = np.arange(k * 8, k * 8 + 9)
+      np.testing.assert_array_equal(batch["inputs"][row], tokens[span[:-1]])
+      doc = np.searchsorted(starts, span, side="right")
+      np.testing.assert_array_equal(batch["segments"][row], doc[:-1] - doc[0] + 1)
+      crosses = doc[1:] != doc[:-1]
+      np.testing.assert_array_equal(batch["targets"][row],
+                                    np.where(crosses, IGNORED, tokens[span[1:]]))
+      # A crossing target is the next document's bos (the separator).
+      assert (tokens[span[1:]][crosses] == 0).all()
+    first += (len(tokens) - 1) // 8
+
+
+def test_unpacked_windows_hold_one_document_each_padded(documents_dir):
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=8, packing=False)
+  batch = windows.gather(np.arange(windows.num_windows))
+  assert set(batch) == {"inputs", "targets"}
+  rebuilt = []   # each document from its pieces: inputs, then the last target
   for inputs, targets in zip(batch["inputs"], batch["targets"]):
-    assert inputs[0] % 8 == 0
-    np.testing.assert_array_equal(inputs, tokens[inputs[0]:inputs[0] + 8])
-    np.testing.assert_array_equal(targets, inputs + 1)
+    n = int((targets != IGNORED).sum())
+    assert (targets[n:] == IGNORED).all() and (inputs[n + 1:] == 0).all()
+    np.testing.assert_array_equal(targets[:n - 1], inputs[1:n])
+    piece = list(inputs[:n]) + [targets[n - 1]]
+    if piece[0] == 0 and rebuilt and rebuilt[-1][-1] == 0 and len(rebuilt[-1]) > 1:
+      rebuilt.append(piece)
+    elif rebuilt and rebuilt[-1][-1] != 0:
+      rebuilt[-1] += piece[1:]   # the next piece starts on the last token of this one
+    else:
+      rebuilt.append(piece)
+  expected = [list(_stream(shards, s)[b:e]) for s in range(len(shards))
+              for b, e in zip(shards.document_starts(s),
+                              list(shards.document_starts(s)[1:]) + [int(shards.tokens[s])])]
+  assert rebuilt == expected
 
 
-def test_process_shares_concatenate_to_the_global_batch():
-  tokens = np.arange(5000, dtype=np.int32)
-  kwargs = dict(seq_len=10, global_batch_size=8, seed=7)
-  whole = _take(TokenBatches(tokens, **kwargs), 6)
-  shares = [_take(TokenBatches(tokens, **kwargs, process_index=p, process_count=2), 6)
-            for p in range(2)]
-  for step in range(6):
-    for key in ("inputs", "targets"):
-      assert shares[0][step][key].shape == (4, 10)
+def _batches(directory, steps, **kwargs):
+  shards = PreparedData(str(directory)).split("train")
+  batches = TokenBatches(Windows(shards, seq_len=4, packing=True), **kwargs)
+  return [next(batches) for _ in range(steps)], shards
+
+
+def test_the_same_step_gives_the_same_batch_on_one_or_two_processes(documents_dir):
+  whole, _ = _batches(documents_dir, 12, global_batch_size=4, seed=1)
+  shares = [_batches(documents_dir, 12, global_batch_size=4, seed=1, process_index=p,
+                     process_count=2) for p in range(2)]
+  for step, batch in enumerate(whole):
+    for key in batch:
       np.testing.assert_array_equal(
-          np.concatenate([shares[0][step][key], shares[1][step][key]]), whole[step][key])
+          batch[key], np.concatenate([shares[0][0][step][key], shares[1][0][step][key]]))
+  # Each process reads only its half of the windows: the shards of the first half of the corpus,
+  # or of the second (eight shards of equal windows, so the halves meet on a shard boundary).
+  opened = [set(shards.opened) for _, shards in shares]
+  assert opened[0] and opened[1] and not opened[0] & opened[1]
+  assert len(whole[0]["inputs"]) == 4 and whole[0]["inputs"].dtype == np.int32
 
 
-def test_resume_from_state_yields_the_same_next_batches():
-  tokens = np.random.default_rng(2).integers(0, 256, 3000, dtype=np.uint8)
-  kwargs = dict(seq_len=12, global_batch_size=4, seed=11)
-  batches = TokenBatches(tokens, **kwargs)
-  _take(batches, 5)
-  state = json.loads(json.dumps(batches.get_state()))
-  uninterrupted = _take(batches, 3)
-  resumed = TokenBatches(tokens, **kwargs)
+def test_resume_from_state_yields_the_same_next_batches(documents_dir):
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=4, packing=True)
+  uninterrupted = TokenBatches(windows, global_batch_size=2, seed=3)
+  expected = [next(uninterrupted) for _ in range(9)]
+  first = TokenBatches(windows, global_batch_size=2, seed=3)
+  [next(first) for _ in range(4)]
+  state = json.loads(json.dumps(first.get_state()))
+  resumed = TokenBatches(windows, global_batch_size=2, seed=3, process_index=1, process_count=2)
   resumed.set_state(state)
-  _assert_same_batches(_take(resumed, 3), uninterrupted)
+  _assert_same_batches([{k: v for k, v in b.items()} for b in [next(resumed) for _ in range(5)]],
+                       [{k: v[1:] for k, v in b.items()} for b in expected[4:]])
 
 
-def test_resume_works_on_a_different_process_count():
-  tokens = np.arange(3000, dtype=np.int32)
-  kwargs = dict(seq_len=12, global_batch_size=4, seed=11)
-  batches = TokenBatches(tokens, **kwargs)
-  _take(batches, 5)
-  state, uninterrupted = batches.get_state(), next(batches)
-  share = TokenBatches(tokens, **kwargs, process_index=1, process_count=2)
-  share.set_state(state)
-  np.testing.assert_array_equal(next(share)["inputs"], uninterrupted["inputs"][2:])
-
-
-@pytest.mark.parametrize("key,value", [("seed", 12), ("seq_len", 6), ("global_batch_size", 8),
-                                       ("num_tokens", 2999), ("step", -1)])
-def test_state_from_a_different_stream_is_rejected(key, value):
-  tokens = np.arange(3000, dtype=np.int32)
-  batches = TokenBatches(tokens, seq_len=12, global_batch_size=4, seed=11)
-  state = {**batches.get_state(), key: value}
+@pytest.mark.parametrize("key,value", [("seed", 12), ("global_batch_size", 4), ("packing", False),
+                                       ("num_windows", 5)])
+def test_state_from_a_different_stream_is_rejected(documents_dir, key, value):
+  shards = PreparedData(str(documents_dir)).split("train")
+  batches = TokenBatches(Windows(shards, seq_len=4, packing=True), global_batch_size=2, seed=3)
   with pytest.raises(DataError, match=key):
-    batches.set_state(state)
+    batches.set_state({**batches.get_state(), key: value})
 
 
-@pytest.mark.parametrize("num_windows", [12, 10])
-def test_each_epoch_sees_every_window_once_in_a_new_order(num_windows):
-  seq_len, batch_size = 5, 4
-  tokens = np.arange(num_windows * seq_len + 1, dtype=np.int32)
-  batches = TokenBatches(tokens, seq_len=seq_len, global_batch_size=batch_size, seed=0)
-  assert batches.num_windows == num_windows
-  # Batches may straddle epochs (10 windows, 4 per batch); the window stream itself is per epoch.
-  stream = sum((_window_ids(b, seq_len) for b in _take(batches, 3 * num_windows // batch_size + 1)),
-               [])
-  epochs = [stream[e * num_windows:(e + 1) * num_windows] for e in range(3)]
-  for epoch in epochs:
-    assert sorted(epoch) == list(range(num_windows))
-  assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
-  assert epochs[0] != list(range(num_windows))
+def test_each_lane_sees_each_of_its_windows_once_per_epoch(documents_dir):
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=4, packing=True)
+  total = windows.num_windows
+  lane = total // 2   # two lanes (rows) of this many windows (total is even here)
+  assert total == 2 * lane
+  read = []
+  gather = windows.gather
+  windows.gather = lambda indices: read.append(list(indices)) or gather(indices)
+  batches = TokenBatches(windows, global_batch_size=2, seed=0)
+  [next(batches) for _ in range(2 * lane)]
+  for r in range(2):
+    seen = [indices[r] for indices in read]
+    first, second = seen[:lane], seen[lane:]
+    assert sorted(first) == sorted(second) == list(range(r * lane, (r + 1) * lane))
+    assert first != second   # a fresh order per epoch
 
 
-def test_seed_picks_the_order():
-  tokens = np.arange(2001, dtype=np.int32)
-  order = lambda seed: _window_ids(next(TokenBatches(tokens, seq_len=4, global_batch_size=16,
-                                                     seed=seed)), 4)
-  assert order(5) == order(5) and order(5) != order(6)
+def test_small_splits_and_bad_shapes_are_refused(documents_dir):
+  shards = PreparedData(str(documents_dir)).split("train")
+  with pytest.raises(DataError, match="no window of train.seq_len=64"):
+    Windows(shards, seq_len=64, packing=True)
+  windows = Windows(shards, seq_len=4, packing=True)
+  with pytest.raises(DataError, match="needs one per row"):
+    TokenBatches(windows, global_batch_size=windows.num_windows + 1, seed=0)
+  with pytest.raises(DataError, match="divisible by the number of processes"):
+    TokenBatches(windows, global_batch_size=3, seed=0, process_index=0, process_count=2)
 
 
-def test_batch_not_divisible_by_process_count_is_rejected():
-  with pytest.raises(DataError, match="global_batch_size=6 must be divisible"):
-    TokenBatches(np.arange(1000), seq_len=8, global_batch_size=6, seed=0, process_count=4)
-
-
-def test_corpus_shorter_than_one_sequence_is_rejected():
-  with pytest.raises(DataError, match="has 10 tokens.*needs 17"):
-    TokenBatches(np.arange(10), seq_len=16, global_batch_size=1, seed=0)
-
-
-# --- evaluation batches ---------------------------------------------------------------------------
-
-def test_eval_batches_are_the_first_windows_in_order_split_by_process():
-  tokens = np.arange(1001, dtype=np.int32)
-  whole = eval_batches(tokens, seq_len=10, batch_size=4, num_batches=3)
-  assert [_window_ids(b, 10) for b in whole] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-  shares = [eval_batches(tokens, seq_len=10, batch_size=4, num_batches=3, process_index=p,
-                         process_count=2) for p in range(2)]
-  for step in range(3):
-    np.testing.assert_array_equal(
-        np.concatenate([shares[0][step]["targets"], shares[1][step]["targets"]]),
-        whole[step]["targets"])
-
-
-def test_eval_batches_shrink_to_the_corpus_and_reject_less_than_one_batch():
-  tokens = np.arange(101, dtype=np.int32)  # 10 windows of 10
-  assert len(eval_batches(tokens, seq_len=10, batch_size=4, num_batches=50)) == 2
-  with pytest.raises(DataError, match="batch_size=16"):
-    eval_batches(tokens, seq_len=10, batch_size=16, num_batches=1)
-
-
-def test_a_batch_of_one_sequence_streams_every_window_per_epoch():
-  # A batch of one is the natural setting for a large model on one device (grain's endless repeat
-  # once overflowed there).
-  seq_len, num_windows = 5, 7
-  tokens = np.arange(num_windows * seq_len + 1)
-  batches = TokenBatches(tokens, seq_len=seq_len, global_batch_size=1, seed=0)
-  first_epoch = sum((_window_ids(b, seq_len) for b in _take(batches, num_windows)), [])
-  assert sorted(first_epoch) == list(range(num_windows))
+def test_eval_windows_spread_over_the_split_with_contiguous_rows(documents_dir):
+  indices = eval_window_indices(100, batch_size=4, eval_tokens=6 * 4 * 8, seq_len=8)
+  assert indices.shape == (6, 4) and len(set(indices.ravel())) == 24
+  assert indices.min() == 0 and indices.max() > 90
+  assert (np.diff(indices, axis=0) > 0).all() and (indices[:, 1:] > indices[:, :-1]).all()
+  assert eval_window_indices(10, batch_size=4, eval_tokens=10**6, seq_len=8).shape == (2, 4)
+  with pytest.raises(DataError, match="one evaluation batch needs batch_size=16"):
+    eval_window_indices(10, batch_size=16, eval_tokens=100, seq_len=8)
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=4, packing=True)
+  whole = eval_batches(windows, batch_size=4, eval_tokens=64)
+  shares = [eval_batches(windows, batch_size=4, eval_tokens=64, process_index=p, process_count=2)
+            for p in range(2)]
+  for key in whole:
+    assert whole[key].shape == (4, 4, 4)
+    np.testing.assert_array_equal(whole[key], np.concatenate([s[key] for s in shares], axis=1))

@@ -1,0 +1,285 @@
+"""Preparing a corpus once: tokenized, memory-mapped shards plus an index.
+
+  python -m data.prepare --input='corpus/**/*.txt' --tokenizer=bytes --out=prepared/ [--workers=N]
+
+A document is a file (or, where the split falls back to cutting every file, data/corpus.py, each
+file's train part and its validation part). Documents go to train or validation by the hash of
+their path; each split's are grouped, in path order, into groups of about `--shard_mb` MiB of
+input (a larger document makes a group of its own). One worker process tokenizes one group, streaming each document through the tokenizer in pieces (its
+memory is bounded whatever the size of a file), into `train-NNNNN.bin` or `val-NNNNN.bin`: the
+token ids as uint16 when the vocabulary fits, else uint32, every document stored as
+[bos] + tokens + [eos] (data/tokenizer.py). Beside each `.bin`, `.docs.npy` holds the offset of
+every document in it; `group-NNNNN.json` records the group's files, sizes and sha256.
+`index.json`, written last, names the tokenizer and every shard; `data.path=DIR` trains on it.
+
+Resumable and idempotent: `plan.json` fixes the groups before any tokenizing. A re-run keeps every
+group whose record is there and whose files match it and does the rest; a finished preparation is
+left as it is; a directory holding anything else is refused. Every file is written under a
+temporary name and renamed, so a kill never leaves a half-written file under a final name (and two
+processes preparing the same inputs write the same bytes).
+"""
+import hashlib
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from data.corpus import DataError, Shard, list_files, split_files
+from data.files import FORMAT, READ_BYTES, SPLITS, file_sha256, read_json, write_atomic, write_json
+from data.tokenizer import ByteTokenizer, make_tokenizer
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def open_tokenizer(spec: str):
+  """`data.tokenizer` / `--tokenizer`, or DataError in one line."""
+  try:
+    return make_tokenizer(spec)
+  except ValueError as e:
+    raise DataError(str(e)) from None
+
+
+# ---- the plan: which documents, in which group, on which side ----------------------------------
+
+def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float) -> dict:
+  """Everything the preparation will do, fixed before any tokenizing (and compared on resume)."""
+  if not shard_mb > 0:
+    raise DataError(f'--shard_mb={shard_mb!r} must be a positive number of MiB')
+  root, files = list_files(pattern)
+  train, val = split_files(root, files, val_fraction)
+  sizes = {path: os.path.getsize(path) for path in files}
+  groups = []
+  for split, documents in (('train', train), ('val', val)):   # a group holds one split's documents
+    group, group_bytes = [], 0
+    for doc in sorted(documents):
+      start, stop = _range(doc, sizes[doc.path])
+      if group and group_bytes + (stop - start) > shard_mb * 2**20:
+        groups.append(group)
+        group, group_bytes = [], 0
+      group.append([os.path.relpath(doc.path, root), doc.start_fraction, doc.end_fraction, split])
+      group_bytes += stop - start
+    groups.append(group)
+  return {'format': FORMAT, 'input': pattern, 'root': root, 'tokenizer': tokenizer.identity(),
+          'dtype': token_dtype(tokenizer.vocab_size).name, 'val_fraction': val_fraction,
+          'files': {os.path.relpath(p, root): s for p, s in sizes.items()}, 'groups': groups}
+
+
+def _range(doc: Shard, size: int) -> tuple[int, int]:
+  """The document's byte range in its file (the same int() of the same product as every reader)."""
+  return int(size * doc.start_fraction), int(size * doc.end_fraction)
+
+
+# ---- one group: tokenize its documents into one shard per split --------------------------------
+
+def _pieces(path: str, start: int, stop: int, tokenizer):
+  """The document's bytes in pieces of about READ_BYTES. A Hugging Face tokenizer gets pieces cut
+  after a newline (tokens do not span lines in byte-level BPE; a line longer than a piece is cut
+  where the piece ends); the byte tokenizer any cut."""
+  cut_at_newline = not isinstance(tokenizer, ByteTokenizer)
+  carry = b''
+  with open(path, 'rb') as f:
+    f.seek(start)
+    left = stop - start
+    while left > 0 or carry:
+      block = f.read(min(READ_BYTES, left)) if left > 0 else b''
+      left -= len(block)
+      data = carry + block
+      if cut_at_newline and left > 0:
+        end = data.rfind(b'\n') + 1
+        if 0 < end < len(data):
+          data, carry = data[:end], data[end:]
+        else:
+          carry = b''
+      else:
+        carry = b''
+      if data:
+        yield data
+
+
+def _encode_piece(tokenizer, data: bytes, where: str, offset: int) -> np.ndarray:
+  if isinstance(tokenizer, ByteTokenizer) and b'\x00' in data:
+    raise DataError(f'{where} holds a NUL byte at offset {offset + data.index(0)}: the byte '
+                    'tokenizer marks document boundaries with id 0, so a file holding NUL is not '
+                    'text it can prepare; leave it out of --input')
+  return tokenizer.encode(data)
+
+
+def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: str,
+                  dtype: str) -> dict:
+  """Tokenizes group `index` into its shards and writes its record; returns the record."""
+  tokenizer = open_tokenizer(tokenizer_spec)
+  record = {'group': index, 'shards': []}
+  for split in SPLITS:
+    docs = [d for d in group if d[3] == split]
+    if not docs:
+      continue
+    name = f'{split}-{index:05d}'
+    offsets, total, input_bytes = [], 0, 0
+    digest = hashlib.sha256()
+
+    def write_tokens(f):
+      nonlocal total, input_bytes
+      def put(ids):
+        nonlocal total
+        data = np.asarray(ids).astype(dtype).tobytes()
+        f.write(data)
+        digest.update(data)
+        total += len(ids)
+      for relpath, start_fraction, end_fraction, _ in docs:
+        path = os.path.join(root, relpath)
+        start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
+        offsets.append(total)
+        input_bytes += stop - start
+        if tokenizer.bos_id is not None:
+          put([tokenizer.bos_id])
+        offset = start
+        for piece in _pieces(path, start, stop, tokenizer):
+          put(_encode_piece(tokenizer, piece, path, offset))
+          offset += len(piece)
+        if tokenizer.eos_id is not None:
+          put([tokenizer.eos_id])
+
+    write_atomic(os.path.join(out, name + '.bin'), write_tokens)
+    docs_path = os.path.join(out, name + '.docs.npy')
+    write_atomic(docs_path, lambda f: np.save(f, np.asarray(offsets, np.int64)))
+    record['shards'].append({'split': split, 'name': name, 'tokens': total,
+                             'documents': len(docs), 'bytes': input_bytes,
+                             'sha256': digest.hexdigest(), 'docs_sha256': file_sha256(docs_path)})
+  write_json(os.path.join(out, f'group-{index:05d}.json'), record)
+  return record
+
+
+def _group_done(out: str, index: int) -> dict | None:
+  """The group's record if it and every file it names are there and match (else None)."""
+  path = os.path.join(out, f'group-{index:05d}.json')
+  if not os.path.isfile(path):
+    return None
+  try:
+    record = read_json(path)
+    for shard in record['shards']:
+      base = os.path.join(out, shard['name'])
+      if (file_sha256(base + '.bin') != shard['sha256']
+          or file_sha256(base + '.docs.npy') != shard['docs_sha256']):
+        return None
+  except (OSError, ValueError, KeyError):
+    return None
+  return record
+
+
+def _run_group(args) -> dict:
+  return prepare_group(*args)
+
+
+# ---- the whole preparation ---------------------------------------------------------------------
+
+def _check_out(out: str, plan: dict) -> None:
+  """Refuses an --out that holds anything but an earlier try at this same plan."""
+  plan_path = os.path.join(out, 'plan.json')
+  if os.path.isfile(plan_path):
+    stored = read_json(plan_path)
+    if stored != plan:
+      differs = sorted(k for k in set(plan) | set(stored) if plan.get(k) != stored.get(k))
+      raise DataError(f'--out={out!r} holds a preparation of other inputs (its {", ".join(differs)} '
+                      'differ); give another --out, or delete that one to redo it')
+  elif os.path.isdir(out) and os.listdir(out):
+    raise DataError(f'--out={out!r} is not empty and holds no preparation (no plan.json); give a '
+                    'new or empty directory, nothing there is overwritten')
+
+
+def build_index(plan: dict, records: list[dict]) -> dict:
+  splits = {}
+  for split in SPLITS:
+    shards = [s for r in sorted(records, key=lambda r: r['group']) for s in r['shards']
+              if s['split'] == split]
+    splits[split] = {'tokens': sum(s['tokens'] for s in shards),
+                     'documents': sum(s['documents'] for s in shards),
+                     'bytes': sum(s['bytes'] for s in shards), 'shards': shards}
+  return {'format': FORMAT, 'tokenizer': plan['tokenizer'], 'dtype': plan['dtype'],
+          'input': plan['input'], 'val_fraction': plan['val_fraction'],
+          'files': len(plan['files']), 'splits': splits}
+
+
+def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
+            val_fraction: float = 0.05, shard_mb: float = 256, progress: bool = True) -> dict:
+  """Prepares (or finishes preparing) `pattern` into `out`; returns the index."""
+  if workers < 1:
+    raise DataError(f'--workers={workers!r} must be a positive integer')
+  tokenizer = open_tokenizer(tokenizer_spec)
+  plan = make_plan(pattern, tokenizer, val_fraction, shard_mb)
+  _check_out(out, plan)
+  index_path = os.path.join(out, 'index.json')
+  if os.path.isfile(index_path):
+    return read_json(index_path)
+  os.makedirs(out, exist_ok=True)
+  write_json(os.path.join(out, 'plan.json'), plan)
+
+  records = {i: _group_done(out, i) for i in range(len(plan['groups']))}
+  todo = [i for i, r in records.items() if r is None]
+  sizes = [_group_bytes(plan, g) for g in plan['groups']]
+  jobs = [(out, i, plan['groups'][i], plan['root'], tokenizer_spec, plan['dtype']) for i in todo]
+  bar = tqdm(total=sum(sizes[i] for i in todo), unit='B', unit_scale=True, disable=not progress,
+             desc=f'prepare {len(todo)} of {len(sizes)} groups')
+  if workers == 1 or len(jobs) <= 1:
+    done = map(_run_group, jobs)
+    pool = None
+  else:
+    # spawn: the workers import only what they need, whatever threads the parent has started.
+    pool = multiprocessing.get_context('spawn').Pool(min(workers, len(jobs)))
+    done = pool.imap_unordered(_run_group, jobs)
+  try:
+    for record in done:
+      records[record['group']] = record
+      bar.update(sizes[record['group']])
+  finally:
+    bar.close()
+    if pool is not None:
+      pool.terminate()
+  index = build_index(plan, list(records.values()))
+  write_json(index_path, index)
+  return index
+
+
+def _group_bytes(plan: dict, group: list) -> int:
+  ranges = (_range(Shard(rel, a, b), plan['files'][rel]) for rel, a, b, _ in group)
+  return sum(stop - start for start, stop in ranges)
+
+
+def _summary(index: dict, seconds: float, out: str) -> str:
+  lines = [f'prepared    {index["files"]} files into {out} in {seconds:.1f} s '
+           f'({index["tokenizer"]["name"]} tokenizer, {index["dtype"]})']
+  for split, s in index['splits'].items():
+    lines.append(f'{split:<11} {s["documents"]} documents, {s["bytes"] / 1e6:.2f} MB in, '
+                 f'{s["tokens"]:,} tokens in {len(s["shards"])} shards')
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(prog='python -m data.prepare', description=__doc__.split('\n')[0])
+  parser.add_argument('--input', required=True,
+                      help="a glob of text files ('**' recursive); '' = the embedded stdlib corpus")
+  parser.add_argument('--tokenizer', default='bytes',
+                      help="'bytes', or a tokenizer.json / Hugging Face checkpoint directory")
+  parser.add_argument('--out', required=True, help='the directory of shards (new, or an earlier try)')
+  parser.add_argument('--workers', type=int, default=1, help='tokenizing processes')
+  parser.add_argument('--val_fraction', type=float, default=0.05)
+  parser.add_argument('--shard_mb', type=float, default=256, help='input MiB per group of shards')
+  args = parser.parse_args(argv)
+  started = time.perf_counter()
+  try:
+    index = prepare(args.input, args.tokenizer, args.out, workers=args.workers,
+                    val_fraction=args.val_fraction, shard_mb=args.shard_mb)
+  except DataError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  print(_summary(index, time.perf_counter() - started, args.out))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
