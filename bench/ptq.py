@@ -40,7 +40,7 @@ def main(argv):
   from models.dense import stored_bytes
   from train import checks, ptq, run
   from train.checkpoint import CheckpointError
-  from train.evaluate import evaluate, make_eval_step
+  from train.evaluate import figures, make_eval_loop
 
   if _SAVE.value and os.path.exists(_SAVE.value):   # refused before any work, nothing overwritten
     sys.exit(f'error: --save={_SAVE.value} already exists; choose a new directory')
@@ -49,17 +49,18 @@ def main(argv):
     params = ptq.restore_params(_WORKDIR.value, config)
   except CheckpointError as e:
     sys.exit(f'error: {e}')
-  _, _, val_tokens, _ = run.load_data(config)
-  batches = list(data_lib.eval_batches(val_tokens, seq_len=config.train.seq_len,
-                                       batch_size=config.train.batch_size,
-                                       num_batches=config.train.eval_batches))
+  prepared = run.open_data(config, _WORKDIR.value)
+  windows = data_lib.Windows(prepared.split('val'), config.train.seq_len, config.data.packing)
+  batches = data_lib.eval_batches(windows, batch_size=config.train.batch_size,
+                                  eval_tokens=config.train.eval_tokens)
   kernels = sum(p.size for path, p in jax.tree_util.tree_leaves_with_path(params)
                 if getattr(path[-1], 'key', None) == 'kernel')
   print(f'run {_WORKDIR.value}: {sum(p.size for p in jax.tree.leaves(params)) / 1e6:.2f} M '
-        f'parameters, {kernels / 1e6:.2f} M of them in dense kernels; {len(batches)} validation '
-        f'batches of {config.train.batch_size} x {config.train.seq_len} bytes\n')
-  print('| weights | compute | validation loss (nats/byte) | perplexity | dense kernel bytes/weight '
-        '| model bytes | eval step arguments | outlier columns |')
+        f'parameters, {kernels / 1e6:.2f} M of them in dense kernels; '
+        f'{len(batches["inputs"])} validation batches of {config.train.batch_size} x '
+        f'{config.train.seq_len} tokens\n')
+  print('| weights | compute | validation loss (nats/token ± SEM) | perplexity | dense kernel '
+        'bytes/weight | model bytes | eval step arguments | outlier columns |')
   print('|---|---|---:|---:|---:|---:|---:|---:|')
   for name, (precision, fmt, mode) in ROWS.items():
     config.precision, config.quant.mode = precision, mode
@@ -67,15 +68,16 @@ def main(argv):
     model = ptq.build_quantized(config, policy, params, fmt)
     graphdef, state = nnx.split(model)
     with recording_outliers() as outliers:   # traced inside, so LLM.int8() products report
-      compiled = jax.jit(make_eval_step(graphdef)).lower(state, {}, batches[0]).compile()
-      result = evaluate(compiled, state, batches, bytes_per_token=1.0)
+      compiled = jax.jit(make_eval_loop(graphdef)).lower(state, {}, batches).compile()
+      result = figures(*compiled(state, {}, batches), prepared.bytes_per_token('val'))
     stored = stored_bytes(model)
     other = sum(p.size for path, p in jax.tree_util.tree_leaves_with_path(params)
                 if getattr(path[-1], 'key', None) != 'kernel') * policy.param_bytes
     kernel_bytes = stored['quantized'] or stored['params'] - other
     share = (f'{100 * sum(n for n, _ in outliers) / sum(k for _, k in outliers):.2f} %'
              if outliers else '')
-    print(f'| {name} | {jax.numpy.dtype(policy.compute_dtype).name} | {result["eval_loss"]:.4f} | '
+    print(f'| {name} | {jax.numpy.dtype(policy.compute_dtype).name} | {result["eval_loss"]:.4f} ± '
+          f'{result["eval_loss_sem"]:.4f} | '
           f'{result["eval_perplexity"]:.3f} | {kernel_bytes / kernels:.3f} | '
           f'{_mib(stored["params"] + stored["quantized"])} | '
           f'{_mib(compiled.memory_analysis().argument_size_in_bytes)} | {share} |')

@@ -34,7 +34,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       microbatches=shape['microbatches'], # gradient accumulation
       log_every=10,
       eval_every=0,                       # set below, from steps
-      eval_batches=8,
+      eval_tokens=shape['eval_tokens'],   # validation tokens per evaluation (whole batches)
       checkpoint_every=0,                 # set below, from steps
       checkpoint_minutes=0.0,             # > 0: also save when this many minutes passed since the last
       keep_checkpoints=3,
@@ -42,14 +42,21 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       seed=0,
   )
   # References, so that --config.train.steps=N moves them too (unless they are set themselves):
-  # warmup 5 % of the run, 5 evaluations and 2 checkpoints (rounded up, so never 0).
+  # warmup 5 % of the run, 2 evaluations after the untrained one's (each reads eval_tokens: a
+  # million for the small preset, about 40 s on 2 CPU cores) and 2 checkpoints (rounded up, so
+  # never 0).
   steps = config.train.get_ref('steps')
   config.train.warmup_steps = (steps + 19) // 20
-  config.train.eval_every = (steps + 4) // 5
+  config.train.eval_every = (steps + 1) // 2
   config.train.checkpoint_every = (steps + 1) // 2
   config.data = dict(
-      path='',                            # a glob of text files; '' = the embedded stdlib corpus
-      val_fraction=0.05,
+      path='',                            # a glob of text files ('' = the embedded stdlib corpus),
+                                          # prepared into WORKDIR/data on first use; or a directory
+                                          # made by python -m data.prepare
+      val_fraction=0.05,                  # of the documents, by path hash (a glob; a prepared
+                                          # directory has its own split)
+      packing=True,                       # several documents per row, kept apart by segment ids;
+                                          # False: one document per row, padded
       tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint
                                           # directory (fine-tuning an imported model on its vocabulary)
   )

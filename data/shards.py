@@ -2,8 +2,9 @@
 
 A shard is opened only when a window of it is first read, and checked then against the sha256 its
 index records (one sequential read of that shard); its size is checked for every shard when the
-directory is opened (no read). A process therefore maps, and keeps in memory, only the pages of the
-shards its rows touch: per-process memory does not grow with the corpus.
+directory is opened (no read). A process's private memory therefore does not grow with the corpus;
+the pages of the shards it reads are the kernel's page cache, mapped into it (counted in its RSS as
+file pages, shared and dropped under memory pressure: bench/data.py measures both).
 """
 import os
 

@@ -97,7 +97,7 @@ def test_pipeline_stages_spanning_two_processes_match_the_single_process_run(run
   corpus = small_corpus(tmp_path)
   args = [a.replace('configs/fsdp.py', 'configs/pipeline.py') for a in main_args(tmp_path / 'two', corpus)]
   args += ['--config.mesh.stage=2', '--config.parallel.pipeline_microbatches=2',
-           f'--config.train.eval_every={STEPS}', '--config.train.eval_batches=1']
+           f'--config.train.eval_every={STEPS}', '--config.train.eval_tokens=512']
   port = free_port()
   procs = [subprocess.Popen(args + [
       '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',

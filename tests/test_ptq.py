@@ -13,7 +13,7 @@ from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_run import small_corpus
 from train import checks, ptq, run
 from train.checkpoint import CheckpointError
-from train.evaluate import make_eval_step
+from train.evaluate import make_eval_loop
 
 # bytes per dense weight: codes plus scales (int8: one fp32 scale per output channel; int4: one per
 # 64 inputs, packed two per byte; nf4: 64-value blocks with 8-bit double-quantized scales)
@@ -80,12 +80,12 @@ def test_saving_never_overwrites(trained, tmp_path):
 
 def test_compiled_arguments_shrink_with_the_stored_format(trained):
   config, params = trained
-  batch = {'inputs': random_tokens((2, 16)), 'targets': random_tokens((2, 16), seed=1)}
+  batch = {'inputs': random_tokens((1, 2, 16)), 'targets': random_tokens((1, 2, 16), seed=1)}
 
   def argument_and_stored_bytes(fmt):
     model = ptq.build_quantized(config, checks.policy(config), params, fmt)
     graphdef, state = nnx.split(model)
-    compiled = jax.jit(make_eval_step(graphdef)).lower(state, {}, batch).compile()
+    compiled = jax.jit(make_eval_loop(graphdef)).lower(state, {}, batch).compile()
     return compiled.memory_analysis().argument_size_in_bytes, sum(stored_bytes(model).values())
 
   fp32_args, fp32_stored = argument_and_stored_bytes(None)

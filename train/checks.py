@@ -92,7 +92,7 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   processes that feed distinct rows (parallel/sharding.py:process_feed)."""
   model, train = model_config(config), config.train
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
-              'eval_batches', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
+              'eval_tokens', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
     value = train[key]
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f'train.{key}={value!r}; it must be a positive integer')
@@ -110,6 +110,9 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   for key, (ok, allowed) in ranges.items():
     if not ok(train[key]):
       raise ConfigError(f'train.{key}={train[key]!r}; it must be {allowed}')
+  if not isinstance(config.data.packing, bool):
+    raise ConfigError(f'data.packing={config.data.packing!r}; it must be True (several documents '
+                      'per row, kept apart) or False (one document per row, padded)')
   sample = config.sample
   if not sample.prompt or not isinstance(sample.length, int) or sample.length < 0 \
       or sample.temperature < 0:

@@ -9,8 +9,10 @@ import os
 import jax
 import numpy as np
 from flax import linen
+from jax.experimental import multihost_utils
 
 import data as data_lib
+from data import prepare as data_prepare, source as data_source
 from memory.compiled import compiled_memory, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate
 from models.config import COMPUTE_FIELDS, ModelConfig
@@ -101,7 +103,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             stack=None if schedule is None else pipelined(schedule),
                             update_shardings=layout.update_shardings)
   tokens_sharding = batch_sharding(mesh, rules.activations)
-  batch_shardings = {'inputs': tokens_sharding, 'targets': tokens_sharding}
+  batch_shardings = {key: tokens_sharding for key in data_lib.batch_keys(config.data.packing)}
   train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
@@ -142,7 +144,8 @@ def lower_train_step(s: Setup):
   train = s.config.train
   batch = jax.ShapeDtypeStruct((train.batch_size, train.seq_len), np.int32, sharding=s.batch_sharding)
   with s.context():
-    return s.train_step.lower(s.layout.abstract, {'inputs': batch, 'targets': batch})
+    return s.train_step.lower(s.layout.abstract,
+                              {key: batch for key in data_lib.batch_keys(s.config.data.packing)})
 
 
 def compile_train_step(s: Setup):
@@ -213,7 +216,8 @@ def dry_run(config, workdir: str) -> dict:
   s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
   if source is not None:
     init_from.check_source(s, source)
-  data_lib.list_files(config.data.path)   # a bad glob fails now, not when the real run starts
+  # A bad glob, directory or tokenizer fails now, not when the real run starts.
+  data_source.check_path(config.data.path, config.data.tokenizer)
   with workdir_lock(workdir, enabled=is_main()):
     if checkpoints:   # nor may it overwrite another model's memory.json
       _check_checkpoints(s, checkpoints)
@@ -226,27 +230,41 @@ def dry_run(config, workdir: str) -> dict:
 
 def make_tokenizer(config):
   """`data.tokenizer`, or DataError in one line."""
-  try:
-    return data_lib.make_tokenizer(config.data.tokenizer)
-  except ValueError as e:
-    raise data_lib.DataError(str(e)) from None
+  return data_prepare.open_tokenizer(config.data.tokenizer)
 
 
-def load_data(config):
-  """(tokenizer, train tokens, validation tokens, validation bytes per token)."""
-  root, files = data_lib.list_files(config.data.path)
-  train_files, val_files = data_lib.split_files(root, files, config.data.val_fraction)
-  tokenizer = make_tokenizer(config)
-  val_tokens = data_lib.load_tokens(val_files, tokenizer)
-  # The byte tokenizer's token is one byte; another's average is measured on the validation text.
-  bytes_per_token = (1.0 if isinstance(tokenizer, data_lib.ByteTokenizer) else
-                     len(data_lib.load_tokens(val_files)) / max(len(val_tokens), 1))
-  return tokenizer, data_lib.load_tokens(train_files, tokenizer), val_tokens, bytes_per_token
+def open_data(config, workdir: str) -> data_lib.PreparedData:
+  """`data.path` as prepared shards: a glob is prepared into the workdir's cache by the main
+  process first (the others then read it, or prepare their own where the file system is not
+  shared)."""
+  cache = os.path.join(workdir, 'data')
+  data = config.data
+  if jax.process_count() > 1 and not data_source.is_prepared_path(data.path):
+    if is_main():
+      data_source.open_data(data.path, data.tokenizer, data.val_fraction, cache)
+    multihost_utils.sync_global_devices('prepared data')
+  return data_source.open_data(data.path, data.tokenizer, data.val_fraction, cache,
+                               prepare_here=is_main(), progress=is_main())
 
 
-def _global_batch(s: Setup, local: dict) -> dict:
+def _global_batch(s: Setup, local: dict, sharding=None) -> dict:
   """Each process contributes its own rows; the result is one global array per key."""
-  return {k: jax.make_array_from_process_local_data(s.batch_sharding, v) for k, v in local.items()}
+  return {k: jax.make_array_from_process_local_data(sharding or s.batch_sharding, v)
+          for k, v in local.items()}
+
+
+def eval_set(s: Setup, prepared: data_lib.PreparedData) -> dict:
+  """The validation windows as global [batches, batch_size, seq_len] arrays (train.eval_tokens)."""
+  train = s.config.train
+  windows = data_lib.Windows(prepared.split('val'), train.seq_len, s.config.data.packing)
+  local = data_lib.eval_batches(windows, batch_size=train.batch_size, eval_tokens=train.eval_tokens,
+                                process_index=s.feed[0], process_count=s.feed[1])
+  return _global_batch(s, local, eval_sharding(s))
+
+
+def eval_sharding(s: Setup):
+  """Evaluation batches stacked on a leading axis, each laid out like a train batch."""
+  return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(None, *s.batch_sharding.spec))
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -256,15 +274,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
   source = _open_source(config)
   checkpoints = _open_checkpoints(config, workdir)
   s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
-  tokenizer, train_tokens, val_tokens, bytes_per_token = load_data(config)
+  tokenizer = make_tokenizer(config)
+  data_source.check_path(config.data.path, config.data.tokenizer)
   with workdir_lock(workdir, enabled=is_main()):
     train = s.config.train
-    process = dict(process_index=s.feed[0], process_count=s.feed[1])
-    batches = data_lib.TokenBatches(train_tokens, seq_len=train.seq_len,
-                                    global_batch_size=train.batch_size, seed=train.seed, **process)
-    eval_batches = [_global_batch(s, b) for b in data_lib.eval_batches(
-        val_tokens, seq_len=train.seq_len, batch_size=train.batch_size,
-        num_batches=train.eval_batches, **process)]
+    prepared = open_data(config, workdir)
+    windows = data_lib.Windows(prepared.split('train'), train.seq_len, config.data.packing)
+    batches = data_lib.TokenBatches(windows, global_batch_size=train.batch_size, seed=train.seed,
+                                    process_index=s.feed[0], process_count=s.feed[1])
+    evaluator = Evaluator(s, eval_set(s, prepared), prepared.bytes_per_token('val'))
     resuming = checkpoints is not None and bool(checkpoints.steps())
     if resuming:   # refuse a checkpoint of another model before any compile or write
       _check_checkpoints(s, checkpoints)
@@ -294,7 +312,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     # 4. Train, evaluating and checkpointing as the config says.
     end = train_loop(s, compiled, state, start, batches, lambda rows: _global_batch(s, rows),
-                     checkpoints, checkpoint_meta(s), Evaluator(s, eval_batches, bytes_per_token),
+                     checkpoints, checkpoint_meta(s), evaluator,
                      workdir)
     if end.preempted:
       return end.last_eval

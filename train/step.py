@@ -22,13 +22,30 @@ from precision.policy import Policy
 from quant.fp8 import is_history
 
 
-def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None) -> jax.Array:
-  """Mean next-token cross-entropy in nats per token. `frozen`: the base weights under LoRA ({}
-  otherwise); `dropout_key`: LoRA dropout on; `stack`: how the blocks run (a pipeline; None: one
-  after another)."""
+def predicted(batch) -> jax.Array:
+  """How many targets of `batch` are predicted (a target < 0 is not: padding, or a document's
+  first token after the previous document, data/windows.py)."""
+  return (batch['targets'] >= 0).sum()
+
+
+def token_losses(graphdef, params, frozen, batch, dropout_key=None, stack=None) -> jax.Array:
+  """Next-token cross-entropy [rows, length] in nats, 0 where a target is not predicted.
+  `frozen`: the base weights under LoRA ({} otherwise); `dropout_key`: LoRA dropout on; `stack`:
+  how the blocks run (a pipeline; None: one after another). A batch without `segments` is one
+  document per row."""
   model = nnx.merge(graphdef, params, frozen)
-  return model.token_losses(batch['inputs'], batch['targets'], dropout_key=dropout_key,
-                            stack=stack).mean()
+  return model.token_losses(batch['inputs'], batch['targets'], segments=batch.get('segments'),
+                            dropout_key=dropout_key, stack=stack)
+
+
+def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None,
+                  denominator=None) -> jax.Array:
+  """The sum of the batch's token losses over `denominator` (default: its predicted targets, so
+  the mean in nats per predicted token)."""
+  losses = token_losses(graphdef, params, frozen, batch, dropout_key, stack)
+  if denominator is None:
+    denominator = predicted(batch)
+  return losses.sum() / jnp.maximum(denominator, 1).astype(jnp.float32)
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -85,12 +102,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     step_key = (None if dropout_seed is None else
                 jax.random.fold_in(jax.random.PRNGKey(dropout_seed), state['step']))
 
+    # Every microbatch's (and device's) losses are divided by the whole batch's count of
+    # predicted targets: each is its share of the batch's mean, the gradients flowing back through
+    # the model are the whole batch's in every layout (fp8 delayed scaling records their amax),
+    # and their sum is the batch's gradient with nothing left to divide.
+    batch_predicted = predicted(batch)
+
     def scaled_loss(p, microbatch, key):
-      loss = cross_entropy(graphdef, p, frozen, microbatch, key, stack)
-      # This microbatch's (and device's) share of the batch's mean: the gradients flowing back
-      # through the model are the whole batch's in every layout (fp8 delayed scaling records
-      # their amax), and their sum is the batch's gradient with nothing left to divide.
-      return loss * (scale / (microbatches * ways)), loss
+      loss = cross_entropy(graphdef, p, frozen, microbatch, key, stack, batch_predicted)
+      return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
@@ -130,7 +150,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
                            grad_sum, histories)
     else:
       grads = grad_sum
-    loss = loss_sum / (microbatches * ways)
+    loss = loss_sum
 
     # In fp32 (16-bit gradients' squares would be summed in 16 bits), histories left out.
     grad_norm = optax.tree.norm(jax.tree.map(

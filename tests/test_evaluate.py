@@ -1,0 +1,45 @@
+"""Tests for train/evaluate.py: the figures and their standard errors, and `python -m train.evaluate`."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from train.evaluate import figures
+
+
+def test_standard_error_of_equal_windows_is_the_textbook_one():
+  rng = np.random.default_rng(0)
+  means = rng.normal(2.0, 0.3, size=400)          # each window's mean loss
+  counts = np.full(400, 128)
+  result = figures(means * counts, counts, bytes_per_token=1.0)
+  assert result["eval_loss"] == pytest.approx(means.mean(), rel=1e-12)
+  assert result["eval_loss_sem"] == pytest.approx(means.std(ddof=1) / math.sqrt(400), rel=1e-12)
+  assert result["eval_bits_per_byte"] == pytest.approx(means.mean() / math.log(2), rel=1e-12)
+  assert result["eval_tokens"] == 400 * 128 and result["eval_windows"] == 400
+
+
+def test_unequal_windows_weigh_tokens_and_skip_empty_windows():
+  sums, counts = np.array([10.0, 30.0, 0.0, 12.0]), np.array([10, 20, 0, 6])
+  result = figures(sums, counts, bytes_per_token=2.0)
+  mean = 52.0 / 36
+  assert result["eval_loss"] == pytest.approx(mean, rel=1e-12)
+  residuals = sums[[0, 1, 3]] - mean * counts[[0, 1, 3]]
+  expected = math.sqrt((residuals ** 2).sum() / (3 * 2)) / (36 / 3)
+  assert result["eval_loss_sem"] == pytest.approx(expected, rel=1e-12)
+  assert result["eval_bits_per_byte"] == pytest.approx(mean / math.log(2) / 2, rel=1e-12)
+  assert result["eval_windows"] == 3
+
+
+def test_standard_error_covers_the_true_mean_as_often_as_it_should():
+  # 2000 evaluation sets of 50 windows with a known mean: |error| < 1.96 SEM in ~95 % of them.
+  rng = np.random.default_rng(1)
+  inside = 0
+  for _ in range(2000):
+    counts = rng.integers(20, 200, size=50)
+    sums = rng.normal(1.5, 0.4, size=50) * counts
+    result = figures(sums, counts, 1.0)
+    inside += abs(result["eval_loss"] - 1.5) < 1.96 * result["eval_loss_sem"]
+  # Binomial(2000, 0.95): its standard deviation is 0.49 %; 3 of them either side, plus the
+  # t-distribution's wider tails at 49 degrees of freedom (1.96 covers 94.4 % there).
+  assert 0.93 < inside / 2000 < 0.965
