@@ -43,3 +43,32 @@ def test_standard_error_covers_the_true_mean_as_often_as_it_should():
   # Binomial(2000, 0.95): its standard deviation is 0.49 %; 3 of them either side, plus the
   # t-distribution's wider tails at 49 degrees of freedom (1.96 covers 94.4 % there).
   assert 0.93 < inside / 2000 < 0.965
+
+
+def test_evaluate_scores_a_runs_checkpoint_as_the_run_did_and_on_other_data(tmp_path):
+  from data import DataError
+  from data.prepare import prepare
+  from tests.helpers import tiny_config
+  from train import run
+  from train.evaluate import evaluate_workdir
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(24):
+    (corpus / f"f{i:02d}.txt").write_text(f"line {i} of a small corpus\n" * (40 + 7 * i))
+  config = tiny_config(**{"train.steps": 2, "data.path": str(corpus / "*.txt")})
+  final = run.train_and_evaluate(config, str(tmp_path / "run"))
+  again = evaluate_workdir(str(tmp_path / "run"))
+  assert again["step"] == 2
+  for key in ("eval_loss", "eval_loss_sem", "eval_tokens"):
+    assert again[key] == pytest.approx(final[key], rel=1e-6)
+  # Another prepared set: other documents, other figures, recorded beside the run's.
+  prepare(str(corpus / "f1*.txt"), "bytes", str(tmp_path / "other"), val_fraction=0.5,
+          progress=False)
+  other = evaluate_workdir(str(tmp_path / "run"), str(tmp_path / "other"), eval_tokens=256)
+  assert other["eval_tokens"] <= 8 * 64 and other["eval_loss"] != pytest.approx(again["eval_loss"])
+  rows = [json.loads(line) for line in open(tmp_path / "run" / "evaluations.jsonl")]
+  assert [r["step"] for r in rows] == [2, 2] and rows[1]["data"] == str(tmp_path / "other")
+  with pytest.raises(DataError, match="holds no checkpoint"):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
+    evaluate_workdir(str(tmp_path / "empty"))

@@ -142,7 +142,7 @@ def test_main_writes_config_metrics_memory_and_a_checkpoint(tmp_path):
   losses = [row['loss'] for row in rows[1:]]
   assert losses[-1] < losses[0]
   evals = [row['eval_loss'] for row in rows if 'eval_loss' in row]
-  assert len(evals) == 6 and evals[-1] < evals[0]   # step 0, then every 30 / 5 = 6 steps
+  assert len(evals) == 3 and evals[-1] < evals[0]   # step 0, then every 30 / 2 = 15 steps
   memory = json.loads((workdir / 'memory.json').read_text())
   assert memory['num_params'] > 0 and memory['mesh']['data'] == 1
   compiled = memory['per_device_bytes']
