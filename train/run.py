@@ -103,8 +103,9 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             stack=None if schedule is None else pipelined(schedule),
                             update_shardings=layout.update_shardings)
   tokens_sharding = batch_sharding(mesh, rules.activations)
-  batch_shardings = {key: tokens_sharding for key in data_lib.batch_keys(config.data.packing)}
-  train_step = jax.jit(step_fn, in_shardings=(layout.shardings, batch_shardings),
+  # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
+  # when rows are packed.
+  train_step = jax.jit(step_fn, in_shardings=(layout.shardings, tokens_sharding),
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
                None if block_axes is None else _flat_paths(block_axes), schedule, feed)
@@ -278,16 +279,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
   data_source.check_path(config.data.path, config.data.tokenizer)
   with workdir_lock(workdir, enabled=is_main()):
     train = s.config.train
-    prepared = open_data(config, workdir)
-    windows = data_lib.Windows(prepared.split('train'), train.seq_len, config.data.packing)
-    batches = data_lib.TokenBatches(windows, global_batch_size=train.batch_size, seed=train.seed,
-                                    process_index=s.feed[0], process_count=s.feed[1])
-    evaluator = Evaluator(s, eval_set(s, prepared), prepared.bytes_per_token('val'))
     resuming = checkpoints is not None and bool(checkpoints.steps())
     if resuming:   # refuse a checkpoint of another model before any compile or write
       _check_checkpoints(s, checkpoints)
     elif source is not None:   # and a source whose tensors disagree with the model
       init_from.check_source(s, source)
+    prepared = open_data(config, workdir)   # a glob is prepared into the workdir on first use
+    windows = data_lib.Windows(prepared.split('train'), train.seq_len, config.data.packing)
+    batches = data_lib.TokenBatches(windows, global_batch_size=train.batch_size, seed=train.seed,
+                                    process_index=s.feed[0], process_count=s.feed[1])
+    evaluator = Evaluator(s, eval_set(s, prepared), prepared.bytes_per_token('val'))
 
     # 2. Compile the step: its memory is known before the state is allocated.
     compiled = compile_train_step(s)
