@@ -17,9 +17,12 @@ import optax
 def token_losses(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
                  chunk: int = 0) -> jax.Array:
   """Losses [batch, length] in nats of `head(x)` (fp32 logits [batch, n, vocab] from hidden
-  states [batch, n, d_model]) against integer `targets` [batch, length]."""
+  states [batch, n, d_model]) against integer `targets` [batch, length]; a target < 0 is not
+  predicted (padding, or the next document's first token): its loss is 0, and so is its gradient."""
   def losses(x, targets):
-    return optax.softmax_cross_entropy_with_integer_labels(head(x), targets)
+    ignored = targets < 0
+    nats = optax.softmax_cross_entropy_with_integer_labels(head(x), jnp.where(ignored, 0, targets))
+    return jnp.where(ignored, 0.0, nats)
 
   b, t = targets.shape
   if chunk <= 0 or chunk >= t:
