@@ -11,13 +11,18 @@
 `auto` picks `cudnn` on a GPU in 16-bit compute and `flash` everywhere else.
 
 All take q [b, t, heads, d] and k, v [b, t, kv_heads, d]; query head h reads KV head
-h // (heads / kv_heads). The products accumulate in fp32 and the scores stay in fp32 through the
-scaling by 1/sqrt(d) and the softmax: nothing between the product and the softmax is rounded to the
-compute dtype (scaling q first would round q * 1/sqrt(d), inexact unless d is a power of 4). The
-probabilities are rounded to the compute dtype only as an operand of the product with v.
+h // (heads / kv_heads). Packed rows (several documents in one row) pass `segments` [b, t] int, a
+document id per position: query i then sees key j iff j <= i and both are in the same segment.
+Without segments each implementation is the plain causal one (no segment mask is built).
+
+The products accumulate in fp32 and the scores stay in fp32 through the scaling by 1/sqrt(d) and
+the softmax: nothing between the product and the softmax is rounded to the compute dtype (scaling q
+first would round q * 1/sqrt(d), inexact unless d is a power of 4). The probabilities are rounded
+to the compute dtype only as an operand of the product with v.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ATTENTIONS = ('auto', 'xla', 'flash', 'cudnn')
 # Query and key positions per flash block. 512 keeps a block's fp32 scores at 1 MiB per head: small
@@ -52,16 +57,17 @@ def refusal(attention: str, compute_dtype, backend: str) -> str | None:
   return None
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str) -> jax.Array:
-  """Causal attention with the implementation `attention` names (after `resolve`)."""
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, attention: str,
+           segments: jax.Array | None = None) -> jax.Array:
+  """Causal attention with the implementation `attention` names (after `resolve`), within each
+  segment of `segments` [b, t] when given."""
   attention = resolve(attention, q.dtype)
   if attention == 'xla':
-    return xla_attention(q, k, v)
+    return xla_attention(q, k, v, segments)
   if attention == 'flash':
-    return flash_attention(q, k, v)
+    return flash_attention(q, k, v, segments=segments)
   if attention == 'cudnn':
-    return jax.nn.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True,
-                                        implementation='cudnn')
+    return cudnn_attention(q, k, v, segments)
   raise ValueError(f'model.attention={attention!r}; allowed: {", ".join(ATTENTIONS)}')
 
 
@@ -79,13 +85,31 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _same_segment(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+  """[b, tq], [b, tk] -> [b, tq, tk]: whether query and key lie in the same segment."""
+  return query_segments[:, :, None] == key_segments[:, None, :]
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                    segments: jax.Array | None = None) -> jax.Array:
+  """cuDNN's fused kernel (GPU, 16-bit). Segments go in as a boolean mask [b, 1, t, t] beside its
+  own causal mask (it turns the mask into an additive bias: packed rows cost that [t, t] array per
+  row, where plain causal rows cost nothing)."""
+  mask = None if segments is None else _same_segment(segments, segments)[:, None]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=_score_scale(q.shape[-1]),
+                                      is_causal=True, implementation='cudnn')
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                  segments: jax.Array | None = None) -> jax.Array:
   """The reference: every [t, t] score at once, fp32 softmax."""
   b, t, heads, d = q.shape
   qg = _groups(q, k.shape[2])
   scores = _dot('btkgd,bskd->bkgts', qg, k) * _score_scale(d)
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-  probs = jax.nn.softmax(jnp.where(causal, scores, _MASKED), axis=-1).astype(v.dtype)
+  visible = jnp.tril(jnp.ones((t, t), dtype=bool))
+  if segments is not None:
+    visible = (visible & _same_segment(segments, segments))[:, None, None]   # [b, 1, 1, t, t]
+  probs = jax.nn.softmax(jnp.where(visible, scores, _MASKED), axis=-1).astype(v.dtype)
   return _dot('bkgts,bskd->btkgd', probs, v).astype(q.dtype).reshape(b, t, heads, d)
 
 
@@ -104,10 +128,18 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 # ---- flash: blocks of FLASH_BLOCK queries against blocks of FLASH_BLOCK keys -------------------
 # Blocked layouts: queries [n, b, kv_heads, group, block, d], keys and values [n, b, kv_heads,
-# block, d], per-row statistics [n, b, kv_heads, group, block]. Query block i attends to key blocks
-# 0..i; only the diagonal block needs the causal mask. The length is padded up to whole blocks:
-# padded keys lie after every real query, so causality already hides them, and padded query rows
-# are cut off at the end.
+# block, d], per-row statistics [n, b, kv_heads, group, block], segment ids [n, b, block] (the same
+# blocks serve queries and keys). Query block i attends to key blocks 0..i; without segments only
+# the diagonal block needs the causal mask. The length is padded up to whole blocks: padded keys
+# lie after every real query, so causality already hides them, and padded query rows are cut off at
+# the end.
+#
+# With segments a query row may see no key of an earlier key block (another document). Its scores
+# there are all _MASKED, so the running maximum stays _MASKED and those probabilities come out as 1:
+# the sum and accumulator gather rubbish, which the first block with a visible key (at the latest
+# the diagonal one: a query always sees itself) scales by exp(_MASKED - max) = 0, exactly. The
+# log-sum-exp is therefore always that of the visible keys, and the backward pass's probabilities
+# exp(_MASKED - lse) are 0.
 
 def _block_mask(i: jax.Array, j: jax.Array, block: int) -> jax.Array:
   rows = i * block + jnp.arange(block)[:, None]
@@ -143,12 +175,16 @@ def _over_blocks(body, carry, xs, n: int):
   return jax.lax.scan(body, carry, xs)
 
 
-def _scores(qi, kj, i, j, block):
+def _scores(qi, kj, i, j, block, sb):
+  """Query block i's scores against key block j, masked; `sb`: blocked segment ids or None."""
   s = _dot('bkgqd,bksd->bkgqs', qi, kj) * _score_scale(qi.shape[-1])
-  return jnp.where(_block_mask(i, j, block), s, _MASKED)
+  visible = _block_mask(i, j, block)
+  if sb is not None:
+    visible = (visible & _same_segment(sb[i], sb[j]))[:, None, None]   # [b, 1, 1, block, block]
+  return jnp.where(visible, s, _MASKED)
 
 
-def _flash_forward(qb, kb, vb):
+def _flash_forward(qb, kb, vb, sb):
   """Blocked outputs (in the compute dtype) and each row's log-sum-exp of the scores (fp32)."""
   n, block = qb.shape[0], qb.shape[-2]
 
@@ -157,7 +193,7 @@ def _flash_forward(qb, kb, vb):
 
     def key_block(j, carry):
       row_max, row_sum, acc = carry
-      s = _scores(qi, kb[j], i, j, block)
+      s = _scores(qi, kb[j], i, j, block, sb)
       new_max = jnp.maximum(row_max, s.max(axis=-1))
       p = jnp.exp(s - new_max[..., None])
       fade = jnp.exp(row_max - new_max)
@@ -174,7 +210,7 @@ def _flash_forward(qb, kb, vb):
   return out, lse
 
 
-def _flash_backward(qb, kb, vb, out, lse, d_out):
+def _flash_backward(qb, kb, vb, sb, out, lse, d_out):
   """Gradients of the blocked q, k, v: key block j's dk and dv gather over query blocks j..n-1;
   each block's probabilities are rebuilt from the saved log-sum-exp (no [t, t] block is kept)."""
   n, block = qb.shape[0], qb.shape[-2]
@@ -188,7 +224,7 @@ def _flash_backward(qb, kb, vb, out, lse, d_out):
     def query_block(i, carry):
       dq, dk, dv = carry
       qi, d_out_i = qb[i], d_out[i]
-      p = jnp.exp(_scores(qi, kj, i, j, block) - lse[i][..., None])
+      p = jnp.exp(_scores(qi, kj, i, j, block, sb) - lse[i][..., None])
       dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
       dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
       # The scores' gradient, times the scale the scores were multiplied by: dq and dk are the
@@ -207,26 +243,31 @@ def _flash_backward(qb, kb, vb, out, lse, d_out):
   return dq.astype(dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
 
 
+# `sb`, the blocked segment ids (or None), is an input like q, k and v, so that the function is
+# traced once per shape whatever the ids; being integer it has no gradient (a float0 zero).
 @jax.custom_vjp
-def _flash_blocked(qb, kb, vb):
-  return _flash_forward(qb, kb, vb)[0]
+def _flash_blocked(qb, kb, vb, sb):
+  return _flash_forward(qb, kb, vb, sb)[0]
 
 
-def _flash_blocked_fwd(qb, kb, vb):
-  out, lse = _flash_forward(qb, kb, vb)
-  return out, (qb, kb, vb, out, lse)
+def _flash_blocked_fwd(qb, kb, vb, sb):
+  out, lse = _flash_forward(qb, kb, vb, sb)
+  return out, (qb, kb, vb, sb, out, lse)
 
 
 def _flash_blocked_bwd(residuals, d_out):
-  return _flash_backward(*residuals, d_out)
+  sb = residuals[3]
+  no_grad = None if sb is None else np.zeros(sb.shape, jax.dtypes.float0)
+  return (*_flash_backward(*residuals, d_out), no_grad)
 
 
 _flash_blocked.defvjp(_flash_blocked_fwd, _flash_blocked_bwd)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                    block: int = FLASH_BLOCK) -> jax.Array:
-  """Blockwise causal attention; `block` query (and key) positions per block."""
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = FLASH_BLOCK,
+                    segments: jax.Array | None = None) -> jax.Array:
+  """Blockwise causal attention (within segments when given); `block` query (and key) positions
+  per block."""
   b, t, heads, d = q.shape
   kv_heads = k.shape[2]
   block = min(block, t)
@@ -235,6 +276,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   qg = jnp.pad(_groups(q, kv_heads), pad + [(0, 0)])
   qb = _blocked_queries(qg, n, block)
   kb, vb = (_blocked_keys(jnp.pad(x, pad), n, block) for x in (k, v))
-  out = _flash_blocked(qb, kb, vb)                     # [n, b, kv, g, block, d]
+  # Padded positions get segment 0 like padding; causality hides them from every real query.
+  sb = None if segments is None else (
+      jnp.pad(segments, pad[:2]).reshape(b, n, block).swapaxes(0, 1))
+  out = _flash_blocked(qb, kb, vb, sb)                 # [n, b, kv, g, block, d]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, heads, d)
   return out[:, :t]
