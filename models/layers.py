@@ -109,12 +109,14 @@ class Attention(nnx.Module):
     self.out = Dense((h, hd), d, axes=('heads', 'head_dim', 'embed'), init_std=out_std, **dense)
 
   def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
-               adapters: AdapterCall | None = None) -> jax.Array:
-    """`cos`/`sin` None: no rotary embeddings (learned positions were added to the input)."""
+               adapters: AdapterCall | None = None,
+               segments: jax.Array | None = None) -> jax.Array:
+    """`cos`/`sin` None: no rotary embeddings (learned positions were added to the input).
+    `segments` [b, t]: packed rows, each position attends within its own segment."""
     on_q, on_k, on_v, on_out = split_call(adapters, 4)
     q, k, v = self._project(x, cos, sin, on_q, on_k, on_v)
     q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
-    attended = attend(q, k, v, self.cfg.attention)
+    attended = attend(q, k, v, self.cfg.attention, segments)
     attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
     return self.out(attended, on_out)
 
@@ -175,9 +177,10 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, policy=policy, rngs=rngs)
 
   def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
-               adapters: AdapterCall | None = None) -> jax.Array:
+               adapters: AdapterCall | None = None,
+               segments: jax.Array | None = None) -> jax.Array:
     on_attention, on_mlp = split_call(adapters, 2)
-    x = x + self.attention(self.attention_norm(x), cos, sin, on_attention)
+    x = x + self.attention(self.attention_norm(x), cos, sin, on_attention, segments)
     return self._mlp_residual(x, on_mlp)
 
   def with_cache(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,

@@ -4,6 +4,8 @@ The blocks are created with `nnx.vmap` (parameters stacked on a leading `layers`
 a plain function of their stacked weights by a `Stack`: `scan_layers` (XLA compiles one block
 whatever the depth), or a pipeline over stages (parallel/pipeline.py) that the train step passes
 in; the remat policy wraps the one block.
+Packed rows (several documents per row) come with `segments` [batch, length], a document id per
+position (0: padding): attention stays within a document and positions restart at each.
 LoRA adapters (models/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
 from typing import Any, Callable
@@ -27,18 +29,30 @@ _REMAT = {
 }
 
 
-# How the block stack runs: stack(layer, layers, x, keys) -> x, where `layers` is the blocks'
-# weights stacked on a leading [num_layers] axis (a pytree), `keys` [num_layers] dropout keys or
-# None, and layer(x, one_layer_weights, key) -> x applies one block.
-Stack = Callable[[Callable, Any, jax.Array, jax.Array | None], jax.Array]
+# How the block stack runs: stack(layer, layers, x, keys, rows) -> x, where `layers` is the
+# blocks' weights stacked on a leading [num_layers] axis (a pytree), `keys` [num_layers] dropout
+# keys or None, `rows` None or a pytree of per-row inputs with x's leading batch axis (packed rows'
+# `segments`, and their own rotary `cos` and `sin`) that a stack splitting the batch splits with x,
+# and layer(x, one_layer_weights, key, rows) -> x applies one block to those rows.
+Stack = Callable[[Callable, Any, jax.Array, jax.Array | None, Any], jax.Array]
 
 
-def scan_layers(layer: Callable, layers, x: jax.Array, keys: jax.Array | None) -> jax.Array:
+def scan_layers(layer: Callable, layers, x: jax.Array, keys: jax.Array | None,
+                rows=None) -> jax.Array:
   """The blocks one after another: a scan, so XLA compiles one block whatever the depth."""
   def body(x, inputs):
     params, key = inputs
-    return layer(x, params, key), None
+    return layer(x, params, key, rows), None
   return jax.lax.scan(body, x, (layers, keys))[0]
+
+
+def segment_positions(segments: jax.Array) -> jax.Array:
+  """Each position's index within its segment, [batch, length] int32: i minus the index where its
+  run of equal ids starts (a running maximum of the run starts)."""
+  index = jnp.arange(segments.shape[1], dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool),
+                            segments[:, 1:] != segments[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 class Transformer(nnx.Module):
@@ -71,40 +85,57 @@ class Transformer(nnx.Module):
         lora.attach(self.head, adapters, prefix='head', rngs=rngs, dtype=policy.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-               dropout_key: jax.Array | None = None, reference: bool = False):
+               segments: jax.Array | None = None, dropout_key: jax.Array | None = None,
+               reference: bool = False):
     """tokens [batch, length] int -> logits [batch, length, vocab] in fp32.
 
+    `segments`: packed rows, as in `hidden`.
     `dropout_key`: LoRA dropout on (training); None runs without dropout.
     `reference`: also return the logits with every adapter off, from the same pass:
     (logits, reference_logits)."""
     rows = tokens.shape[0]
-    x, head = self.hidden(tokens, positions, dropout_key=dropout_key, reference=reference)
+    x, head = self.hidden(tokens, positions, segments=segments, dropout_key=dropout_key,
+                          reference=reference)
     logits = head(x)
     return (logits[:rows], logits[rows:]) if reference else logits
 
   def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
-                   dropout_key: jax.Array | None = None, stack: 'Stack | None' = None) -> jax.Array:
-    """Next-token cross-entropy [batch, length] in nats; the head runs `model.loss_chunk`
-    positions at a time (models/loss.py). `stack`: as in `hidden`."""
-    x, head = self.hidden(tokens, dropout_key=dropout_key, stack=stack)
+                   segments: jax.Array | None = None, dropout_key: jax.Array | None = None,
+                   stack: 'Stack | None' = None) -> jax.Array:
+    """Next-token cross-entropy [batch, length] in nats, 0 where a target is < 0 (not predicted);
+    the head runs `model.loss_chunk` positions at a time (models/loss.py). `segments`, `stack`:
+    as in `hidden`."""
+    x, head = self.hidden(tokens, segments=segments, dropout_key=dropout_key, stack=stack)
     return token_losses(head, x, targets, self.cfg.loss_chunk)
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-             dropout_key: jax.Array | None = None, reference: bool = False,
-             stack: 'Stack | None' = None):
+             segments: jax.Array | None = None, dropout_key: jax.Array | None = None,
+             reference: bool = False, stack: 'Stack | None' = None):
     """The final norm's output [batch, length, d_model] (the batch twice with `reference`), and
     the head: a function of such hidden states (any number of positions) to fp32 logits.
-    `stack` runs the block stack (default `scan_layers`; a pipeline is another)."""
+    `segments` [batch, length] int: packed rows, a document id per position (0: padding); each
+    position attends only within its document, and positions (rotary or learned) default to the
+    index within the document. `stack` runs the block stack (default `scan_layers`; a pipeline is
+    another)."""
     cfg = self.cfg
-    if positions is None:   # one row for all: the tables broadcast over any split of the batch
-      positions = jnp.arange(tokens.shape[1])[None]
+    if positions is None:
+      # Without segments one row for all: the tables broadcast over any split of the batch.
+      positions = (jnp.arange(tokens.shape[1])[None] if segments is None
+                   else segment_positions(segments))
     rows = tokens.shape[0]
     active_rows = None
     if reference:   # the batch twice: adapters on for the first copy, off for the second
       tokens = jnp.concatenate([tokens, tokens])
       positions = positions if positions.shape[0] == 1 else jnp.concatenate([positions, positions])
+      segments = None if segments is None else jnp.concatenate([segments, segments])
       active_rows = jnp.arange(2 * rows) < rows
     x, cos, sin = self._embed(tokens, positions)
+    row_inputs = None   # what a stack that splits the batch must split with x
+    if segments is not None:
+      row_inputs = {'segments': segments}
+      if cos is not None:
+        row_inputs.update({name: jnp.broadcast_to(table, x.shape[:2] + table.shape[2:])
+                           for name, table in (('cos', cos), ('sin', sin))})
 
     call = (AdapterCall(None, active_rows)
             if dropout_key is not None or active_rows is not None else None)
@@ -112,14 +143,17 @@ class Transformer(nnx.Module):
                   if dropout_key is not None else None)
     graphdef, layers = nnx.split(self.blocks)
 
-    def layer(x, params, key):
-      """One block, a plain function of its (unstacked) weights."""
+    def layer(x, params, key, rows):
+      """One block, a plain function of its (unstacked) weights, on the rows `rows` describes."""
       block = nnx.merge(graphdef, params)
-      return block(x, cos, sin, None if call is None else call.for_layer(key))
+      adapters = None if call is None else call.for_layer(key)
+      if rows is None:
+        return block(x, cos, sin, adapters)
+      return block(x, rows.get('cos'), rows.get('sin'), adapters, rows['segments'])
 
     if cfg.remat != 'none':
       layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x = self.final_norm((stack or scan_layers)(layer, layers, x, layer_keys))
+    x = self.final_norm((stack or scan_layers)(layer, layers, x, layer_keys, row_inputs))
 
     head_call = None if call is None else call.for_layer(
         None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))

@@ -69,7 +69,8 @@ class PipelineSchedule:
   def moves(self) -> dict[str, np.ndarray]:
     """Per iteration and stage, [iterations, stages] int32 each: the ring slot the held activation
     is written to (`write`) and the slot taken to work on (`read`), the chunk index among the
-    stage's `repeats` (`chunk`), and the microbatch (`microbatch`, for dropout keys).
+    stage's `repeats` (`chunk`), and the microbatch of the item the stage works on
+    (`microbatch`: its dropout keys and its per-row inputs; 0 where the stage idles).
 
     Ring slots (per stage): 0..M-1 the batch's microbatches, M..2M-1 the last stage's outputs,
     2M spare. Stage 0 files what arrived from the last stage (its output of the iteration before)
@@ -144,11 +145,15 @@ def pipelined(schedule: PipelineSchedule):
 
   Weight gradients are summed over the loop's iterations. Sharded over `fsdp` (ZeRO-2/3), each
   iteration's is reduced into the sharded sum as it is produced (as ZeRO-2/3 do per microbatch);
-  replicated (DDP, ZeRO-1), they are summed per device and reduced once (train/step.py)."""
+  replicated (DDP, ZeRO-1), they are summed per device and reduced once (train/step.py).
+
+  Per-row inputs (`rows`: packed rows' segment ids and rotary tables) are split into microbatches
+  like the batch; each stage reads those of the microbatch it works on. They are inputs, not
+  activations: nothing of them moves between stages."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   moves = {k: jnp.asarray(v) for k, v in schedule.moves().items()}
 
-  def stack(layer, layers, x, keys):
+  def stack(layer, layers, x, keys, rows=None):
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     chunk = schedule.layers_per_chunk(num_layers)
 
@@ -165,6 +170,7 @@ def pipelined(schedule: PipelineSchedule):
       stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
       stage_keys = None if keys is None else stage_keys[:, 0]
     micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
+    micro_rows = jax.tree.map(lambda a: _split_rows(jnp.asarray(a), M), rows)   # read per stage
     # Every stage has its own ring with its own copy of the batch (each device held the batch
     # already), so that the batch's gradient is summed per stage and reduced over the stages
     # once, after the loop.
@@ -178,7 +184,8 @@ def pipelined(schedule: PipelineSchedule):
         keys = None if keys is None else keys[chunk_index]
       if keys is not None:   # a dropout mask per layer and microbatch
         keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys)
-      return _scan_chunk(layer, weights, held, keys)
+      rows = jax.tree.map(lambda a: a[microbatch], micro_rows)
+      return _scan_chunk(layer, weights, held, keys, rows)
 
     if R > 1:
       # The chunk's weights are picked per iteration; the backward pass would keep that pick,
@@ -214,10 +221,10 @@ def pipelined(schedule: PipelineSchedule):
   return stack
 
 
-def _scan_chunk(layer, weights, x, keys):
+def _scan_chunk(layer, weights, x, keys, rows):
   def body(x, inputs):
     params, key = inputs
-    return layer(x, params, key), None
+    return layer(x, params, key, rows), None
   return jax.lax.scan(body, x, (weights, keys))[0]
 
 
