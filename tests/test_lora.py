@@ -67,7 +67,7 @@ def test_compiled_step_arguments_shrink_to_the_frozen_base_plus_adapter_state():
   lora, s_lora = argument_bytes(tiny_config(**LORA))
   n = s_full.model.num_params
   trainable, frozen = s_lora.spec.sizes()
-  batch = 2 * 8 * 64 * 4
+  batch = 3 * 8 * 64 * 4   # inputs, targets and segments (packed rows), int32
   # Full fine-tuning: weights + two moments of every parameter; LoRA: the frozen base once, and
   # weights + two moments of the adapters only.
   assert abs(full - (3 * n * 4 + batch)) < 1024
