@@ -61,6 +61,9 @@ class TokenBatches:
     lanes = range(process_index * rows, (process_index + 1) * rows)
     bounds = [(lane * total // global_batch_size, (lane + 1) * total // global_batch_size)
               for lane in lanes]
+    # This process's shards are opened (and checked against their sha256) now, before a run
+    # compiles or writes anything, not at the first batch.
+    windows.open_windows(bounds[0][0], bounds[-1][1])
     orders = []
     for lane, (low, high) in zip(lanes, bounds):
       order = grain.MapDataset.range(low, high)

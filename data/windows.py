@@ -47,6 +47,13 @@ class Windows:
                       f'holds {longest}; use a shorter seq_len or more data')
     self._piece_starts: dict[int, np.ndarray] = {}
 
+  def open_windows(self, low: int, high: int) -> None:
+    """Opens (and checks against the index) the shards that windows [low, high) lie in."""
+    first = int(np.searchsorted(self.starts, low, side='right') - 1)
+    last = int(np.searchsorted(self.starts, high - 1, side='right') - 1)
+    for shard in range(first, last + 1):
+      self.shards.shard_tokens(shard)
+
   def _pieces(self, lengths: np.ndarray) -> np.ndarray:
     return -(-(np.asarray(lengths, np.int64) - 1) // self.seq_len)
 

@@ -124,6 +124,33 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, me
   assert not workdir.exists()
 
 
+def test_bad_prepared_data_is_refused_before_anything_is_written(tmp_path):
+  from data.prepare import prepare
+  prepared = tmp_path / 'prepared'
+  prepare(small_corpus(tmp_path), 'bytes', str(prepared), val_fraction=0.5, progress=False)
+  config = lambda **o: tiny_config(**{'data.path': str(prepared), **o})
+  workdir = tmp_path / 'w'
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  other = Tokenizer(models.BPE())   # 256 byte-level tokens: fits the model, but is not `bytes`
+  other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  other.train_from_iterator(['text'], trainers.BpeTrainer(
+      vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  other.save(str(tmp_path / 'tokenizer.json'))
+  with pytest.raises(DataError, match='was prepared with the tokenizer bytes'):
+    run.train_and_evaluate(config(**{'data.tokenizer': str(tmp_path / 'tokenizer.json')}),
+                           str(workdir))
+  with pytest.raises(DataError, match='no window of train.seq_len=256'):
+    (tmp_path / 'one').mkdir()
+    (tmp_path / 'one' / 'short.txt').write_text('short')
+    run.train_and_evaluate(tiny_config(**{'data.path': str(tmp_path / 'one' / '*.txt'),
+                                          'train.seq_len': 256}), str(workdir))
+  shard = prepared / 'train-00000.bin'
+  shard.write_bytes(shard.read_bytes()[::-1])   # the same size, other bytes
+  with pytest.raises(DataError, match='does not match the sha256'):
+    run.train_and_evaluate(config(), str(workdir))
+  assert not (workdir / 'config.json').exists() and not (workdir / 'checkpoints').exists()
+
+
 def main_py(*args, cwd=ROOT):
   env = {**os.environ, 'XLA_FLAGS': ''}
   return subprocess.run([sys.executable, os.path.join(ROOT, 'main.py'), *args], cwd=cwd, env=env,
