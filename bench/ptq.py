@@ -40,7 +40,7 @@ def main(argv):
   from models.dense import stored_bytes
   from train import checks, ptq, run
   from train.checkpoint import CheckpointError
-  from train.evaluate import figures, make_eval_loop
+  from train.validation import figures, make_eval_loop
 
   if _SAVE.value and os.path.exists(_SAVE.value):   # refused before any work, nothing overwritten
     sys.exit(f'error: --save={_SAVE.value} already exists; choose a new directory')

@@ -1,11 +1,12 @@
-"""Tests for train/evaluate.py: the figures and their standard errors, and `python -m train.evaluate`."""
+"""Tests for train/validation.py (the figures and their standard errors) and train/evaluate.py
+(`python -m train.evaluate`)."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-from train.evaluate import figures
+from train.validation import figures
 
 
 def test_standard_error_of_equal_windows_is_the_textbook_one():

@@ -13,7 +13,7 @@ from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_run import small_corpus
 from train import checks, ptq, run
 from train.checkpoint import CheckpointError
-from train.evaluate import make_eval_loop
+from train.validation import make_eval_loop
 
 # bytes per dense weight: codes plus scales (int8: one fp32 scale per output channel; int4: one per
 # 64 inputs, packed two per byte; nf4: 64-value blocks with 8-bit double-quantized scales)

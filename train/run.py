@@ -25,7 +25,7 @@ from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
 from train import checks, init_from
 from train.checkpoint import Checkpointer, CheckpointError
-from train.evaluate import Evaluator
+from train.validation import Evaluator
 from train.loop import is_main, train_loop
 from train.sample import generate
 from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout

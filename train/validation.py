@@ -1,0 +1,76 @@
+"""Validation: nats per predicted token, bits per byte and perplexity, each with the standard error
+of its mean, computed in one jitted loop over a fixed evaluation set; and the run's evaluator.
+
+The evaluation set is fixed (data/pipeline.py: windows spread over the held-out documents). The
+standard error treats windows as the samples (the tokens of one window are not independent): with
+window i's summed loss s_i over its c_i predicted tokens and the mean m = sum(s) / sum(c),
+SEM = sqrt(sum((s_i - m c_i)^2) / (n (n - 1))) / mean(c), the ratio estimator's; with equal c_i it
+is the familiar std(window means) / sqrt(n).
+"""
+import math
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from parallel.sharding import replicated
+from train.step import token_losses
+
+
+def make_eval_loop(graphdef, stack=None):
+  """eval_loop(params, frozen, batches) -> (summed loss, predicted targets), each
+  [batches, rows]: `batches` holds arrays [batches, rows, length]; frozen is the LoRA base ({}
+  without LoRA); `stack`: how the blocks run (the train step's pipeline)."""
+  def eval_loop(params, frozen, batches):
+    def one_batch(_, batch):
+      losses = token_losses(graphdef, params, frozen, batch, stack=stack)
+      return None, (losses.sum(-1), (batch['targets'] >= 0).sum(-1))
+    return jax.lax.scan(one_batch, None, batches)[1]
+  return eval_loop
+
+
+def figures(sums, counts, bytes_per_token: float) -> dict:
+  """The evaluation's figures from each window's summed loss and its predicted targets."""
+  sums = np.asarray(sums, np.float64).reshape(-1)
+  counts = np.asarray(counts, np.float64).reshape(-1)
+  sums, counts = sums[counts > 0], counts[counts > 0]
+  n = len(counts)
+  nats = float(sums.sum() / counts.sum())
+  sem = (float(np.sqrt(((sums - nats * counts) ** 2).sum() / (n * (n - 1))) / counts.mean())
+         if n > 1 else float('nan'))
+  per_bit = 1 / math.log(2) / bytes_per_token
+  return {'eval_loss': nats, 'eval_loss_sem': sem,
+          'eval_bits_per_byte': nats * per_bit, 'eval_bits_per_byte_sem': sem * per_bit,
+          'eval_perplexity': math.exp(nats), 'eval_tokens': int(counts.sum()), 'eval_windows': n}
+
+
+def describe(result: dict) -> str:
+  return (f'loss {result["eval_loss"]:.4f} ± {result["eval_loss_sem"]:.4f} nats/token, '
+          f'{result["eval_bits_per_byte"]:.4f} ± {result["eval_bits_per_byte_sem"]:.4f} bits/byte, '
+          f'perplexity {result["eval_perplexity"]:.2f} (± one standard error, '
+          f'{result["eval_tokens"]:,} tokens in {result["eval_windows"]} windows)')
+
+
+class Evaluator:
+  """The run's validation: one jitted loop over the fixed evaluation set, placed like the state,
+  and one printed line per evaluation (main process). `evaluator(state, step)` returns the figures."""
+
+  def __init__(self, s, batches: dict, bytes_per_token: float):
+    self._context = s.context
+    self._batches = batches
+    self._bytes_per_token = bytes_per_token
+    with s.context():
+      self._loop = jax.jit(make_eval_loop(s.layout.graphdef, s.stack),
+                           in_shardings=(s.layout.shardings['params'],
+                                         s.layout.shardings.get('frozen', {}),
+                                         {k: v.sharding for k, v in batches.items()}),
+                           out_shardings=replicated(s.mesh))
+
+  def __call__(self, state: dict, step: int) -> dict:
+    with self._context():
+      sums, counts = jax.device_get(self._loop(state['params'], state.get('frozen', {}),
+                                               self._batches))
+    result = figures(sums, counts, self._bytes_per_token)
+    if jax.process_index() == 0:
+      tqdm.write(f'eval  step {step}: {describe(result)}')
+    return result
