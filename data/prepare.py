@@ -109,6 +109,34 @@ def _encode_piece(tokenizer, data: bytes, where: str, offset: int) -> np.ndarray
   return tokenizer.encode(data)
 
 
+def _write_documents(f, docs: list, root: str, tokenizer, dtype: str) -> dict:
+  """Writes the documents' token ids to `f`, each as [bos] + tokens + [eos]; returns where each
+  document starts, the token count, the input bytes and the sha256 of what was written."""
+  offsets, digest = [], hashlib.sha256()
+  written = {'tokens': 0, 'bytes': 0}
+
+  def put(ids):
+    data = np.asarray(ids).astype(dtype).tobytes()
+    f.write(data)
+    digest.update(data)
+    written['tokens'] += len(ids)
+
+  for relpath, start_fraction, end_fraction, _ in docs:
+    path = os.path.join(root, relpath)
+    start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
+    offsets.append(written['tokens'])
+    written['bytes'] += stop - start
+    if tokenizer.bos_id is not None:
+      put([tokenizer.bos_id])
+    offset = start
+    for piece in _pieces(path, start, stop, tokenizer):
+      put(_encode_piece(tokenizer, piece, path, offset))
+      offset += len(piece)
+    if tokenizer.eos_id is not None:
+      put([tokenizer.eos_id])
+  return {**written, 'offsets': offsets, 'sha256': digest.hexdigest()}
+
+
 def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: str,
                   dtype: str) -> dict:
   """Tokenizes group `index` into its shards and writes its record; returns the record."""
@@ -119,37 +147,14 @@ def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: 
     if not docs:
       continue
     name = f'{split}-{index:05d}'
-    offsets, total, input_bytes = [], 0, 0
-    digest = hashlib.sha256()
-
-    def write_tokens(f):
-      nonlocal total, input_bytes
-      def put(ids):
-        nonlocal total
-        data = np.asarray(ids).astype(dtype).tobytes()
-        f.write(data)
-        digest.update(data)
-        total += len(ids)
-      for relpath, start_fraction, end_fraction, _ in docs:
-        path = os.path.join(root, relpath)
-        start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
-        offsets.append(total)
-        input_bytes += stop - start
-        if tokenizer.bos_id is not None:
-          put([tokenizer.bos_id])
-        offset = start
-        for piece in _pieces(path, start, stop, tokenizer):
-          put(_encode_piece(tokenizer, piece, path, offset))
-          offset += len(piece)
-        if tokenizer.eos_id is not None:
-          put([tokenizer.eos_id])
-
-    write_atomic(os.path.join(out, name + '.bin'), write_tokens)
+    result = {}
+    write_atomic(os.path.join(out, name + '.bin'),
+                 lambda f: result.update(_write_documents(f, docs, root, tokenizer, dtype)))
     docs_path = os.path.join(out, name + '.docs.npy')
-    write_atomic(docs_path, lambda f: np.save(f, np.asarray(offsets, np.int64)))
-    record['shards'].append({'split': split, 'name': name, 'tokens': total,
-                             'documents': len(docs), 'bytes': input_bytes,
-                             'sha256': digest.hexdigest(), 'docs_sha256': file_sha256(docs_path)})
+    write_atomic(docs_path, lambda f: np.save(f, np.asarray(result['offsets'], np.int64)))
+    record['shards'].append({'split': split, 'name': name, 'tokens': result['tokens'],
+                             'documents': len(docs), 'bytes': result['bytes'],
+                             'sha256': result['sha256'], 'docs_sha256': file_sha256(docs_path)})
   write_json(os.path.join(out, f'group-{index:05d}.json'), record)
   return record
 

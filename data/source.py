@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 
-from data.corpus import DataError, list_files
+from data.corpus import list_files
 from data.prepare import open_tokenizer, prepare
 from data.shards import PreparedData
 

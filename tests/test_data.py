@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from data import (IGNORED, ByteTokenizer, DataError, PreparedData, Shard, TokenBatches, Windows,
+from data import (IGNORED, ByteTokenizer, DataError, PreparedData, TokenBatches, Windows,
                   eval_batches, eval_window_indices, list_files, split_files)
 from data.corpus import _hash_fraction
 from data.prepare import prepare
