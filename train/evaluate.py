@@ -12,10 +12,11 @@ import os
 import sys
 
 import jax
-import ml_collections
 
+from configs import default
 from data import DataError
-from train import run
+from data import source as data_source
+from train import ptq, run
 from train.validation import Evaluator
 
 
@@ -23,11 +24,8 @@ def evaluate_workdir(workdir: str, data_path: str | None = None,
                      eval_tokens: int | None = None) -> dict:
   """Scores the newest checkpoint of the run in `workdir` on the validation split of `data_path`
   (default: the run's own data); appends the figures to WORKDIR/evaluations.jsonl."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    raise DataError(f'--workdir={workdir!r} holds no config.json: give the directory of a run')
-  with open(path, encoding='utf-8') as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  # Laid over the defaults: a run saved before a key existed evaluates with its default.
+  config = ptq.run_config(workdir, default.get_config())
   if data_path is not None:
     config.data.path = data_path
   if eval_tokens is not None:
@@ -36,7 +34,7 @@ def evaluate_workdir(workdir: str, data_path: str | None = None,
   if checkpoints is None or not checkpoints.steps():
     raise DataError(f'--workdir={workdir!r} holds no checkpoint to evaluate')
   s = run.setup(config, stored_block_axes=run._stored_block_axes(checkpoints))
-  run.data_source.check_path(config.data.path, config.data.tokenizer)
+  data_source.check_path(config.data.path, config.data.tokenizer)
   restored = checkpoints.restore_newest(s.layout.abstract)
   prepared = run.open_data(config, workdir)
   evaluator = Evaluator(s, run.eval_set(s, prepared), prepared.bytes_per_token('val'))
