@@ -59,19 +59,10 @@ def _init_jax(config, plan_devices: int | None = None) -> None:
     sys.exit(f'error: {e}')
 
 
-def _load_config_file(spec: str):
-  """The config a `--config=path[:arg]` value names, before any override."""
-  import importlib.util
-  path, _, arg = spec.partition(':')
-  module_spec = importlib.util.spec_from_file_location('_config_file', path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
-
-
 def _unknown_override(argv) -> str | None:
   """The first `--config.a.b=v` whose key the config does not have, as a one-line message."""
-  node = _load_config_file(_config_spec(argv))
+  import configs
+  node = configs.load(_config_spec(argv))
   for arg in argv:
     if not arg.startswith('--config.'):
       continue

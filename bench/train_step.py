@@ -42,6 +42,8 @@ def main(argv):
   from train.run import compile_train_step, memory_report, setup
 
   config = _CONFIG.value
+  if config.get('host_devices'):   # as main.py: with no accelerator, simulate that many devices
+    jax.config.update('jax_num_cpu_devices', config.host_devices)
   s = setup(config)
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)

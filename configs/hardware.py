@@ -17,3 +17,18 @@ GPUS = {
     'L40S-48GB': dict(memory=48 * GB, peak_bf16=362e12, hbm=0.864e12, intra_node=32e9, inter_node=12.5e9, per_node=8),
     'RTX4090-24GB': dict(memory=24 * GB, peak_bf16=165e12, hbm=1.01e12, intra_node=32e9, inter_node=3e9, per_node=8),
 }
+
+# jax's `device_kind` of each accelerator -> its entry above (the MFU of a run on it is measured
+# against that entry's datasheet peak).
+DEVICE_KINDS = {
+    'NVIDIA A100-SXM4-40GB': 'A100-40GB', 'NVIDIA A100-SXM4-80GB': 'A100-80GB',
+    'NVIDIA H100 80GB HBM3': 'H100-80GB', 'NVIDIA H200': 'H200-141GB', 'NVIDIA L40S': 'L40S-48GB',
+    'NVIDIA GeForce RTX 4090': 'RTX4090-24GB',
+}
+
+
+def datasheet(device_kind: str) -> dict | None:
+  """The datasheet figures of a device jax names `device_kind` (None: not a device listed here,
+  e.g. a CPU)."""
+  name = DEVICE_KINDS.get(device_kind)
+  return None if name is None else GPUS[name]

@@ -86,6 +86,12 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
             f'Size it here:          python main.py --config={path} --dry_run '
             f'--host_devices={target.count}')
   write_config(path, planned, header)
+  with open(os.path.join(workdir, 'plan.json'), 'w', encoding='utf-8') as f:
+    json.dump({'target': str(target), 'recipe': str(chosen.recipe), 'config': path,
+               'compiled_bytes': chosen.compiled, 'estimate_bytes': chosen.estimate['total'],
+               'step_seconds': chosen.seconds['total'], 'seconds': chosen.seconds,
+               'tokens_per_sec': tokens / chosen.seconds['total']}, f, indent=2)
+    f.write('\n')
   print(f'\nchosen      {chosen.recipe}: compiled {_gb(chosen.compiled)} per device, estimated '
         f'{chosen.seconds["total"]:.2f} s per step ({tokens / chosen.seconds["total"]:,.0f} tokens/s)')
   print(f'config      {path}')

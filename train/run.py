@@ -164,6 +164,7 @@ def memory_report(s: Setup, compiled) -> dict:
       'trainable_params': trainable,
       'frozen_bytes': base,
       'mesh': dict(s.mesh.shape),
+      'device_kind': s.mesh.devices.flat[0].device_kind,
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': compiled_memory(compiled),
       'estimate_bytes': estimated_bytes(s),

@@ -1,0 +1,141 @@
+"""The PNG charts a sweep file declares, drawn from its result rows (matplotlib, no display).
+
+A chart is a dict:
+  file, title        the PNG's name (in the sweep's directory) and its heading
+  x, y               a label or metric on each axis (y: a numeric metric)
+  series             optional: a label; one line (or marker) per value
+  panels             optional: a label; one subplot per value
+  kind               'line' (default) or 'scatter'
+  logx, logy         log-scale axes (default False)
+  hline, hline_label optional: a horizontal line (e.g. a device's memory) and its legend text
+  yerr               optional: a metric holding each point's own error bar (e.g. final_loss_sem)
+  xlabel, ylabel     axis titles (default: the metric's header or the label's name)
+Points that share panel, series and x (seeds, say) are drawn as their mean with an error bar of
+the standard error over them (sd / sqrt(n)); a single point gets its `yerr`, if any.
+"""
+import math
+import os
+
+CHART_KEYS = ('file', 'title', 'x', 'y', 'series', 'panels', 'kind', 'logx', 'logy', 'hline',
+              'hline_label', 'yerr', 'xlabel', 'ylabel')
+
+
+def check_chart(chart: dict, labels: list[str], metrics: tuple[str, ...]) -> None:
+  from sweep.grid import SweepError
+  name = chart.get('file', '?')
+  unknown = sorted(set(chart) - set(CHART_KEYS))
+  if unknown:
+    raise SweepError(f'chart {name}: unknown key {unknown[0]!r}; allowed: {", ".join(CHART_KEYS)}')
+  for key in ('file', 'title', 'x', 'y'):
+    if key not in chart:
+      raise SweepError(f'chart {name}: missing key {key!r}')
+  if not str(chart['file']).endswith('.png') or os.sep in chart['file']:
+    raise SweepError(f'chart file={chart["file"]!r}; a file name ending in .png')
+  columns = [*labels, *metrics]
+  for key in ('x', 'y', 'yerr'):
+    if key in chart and chart[key] not in columns:
+      raise SweepError(f'chart {name}: {key}={chart[key]!r} is not a label or metric of the sweep; '
+                       f'known: {", ".join(columns)}')
+  for key in ('series', 'panels'):
+    if key in chart and chart[key] not in labels:
+      raise SweepError(f'chart {name}: {key}={chart[key]!r} is not a label of the sweep; '
+                       f'labels: {", ".join(labels)}')
+  if chart.get('kind', 'line') not in ('line', 'scatter'):
+    raise SweepError(f'chart {name}: kind={chart["kind"]!r}; allowed: line, scatter')
+
+
+def _title(column: str) -> str:
+  from sweep.metrics import METRICS
+  return METRICS[column].header if column in METRICS else column
+
+
+def _groups(rows: list[dict], chart: dict) -> dict:
+  """panel -> series -> [(x, mean y, error or None, n)], x in first-seen order."""
+  out = {}
+  for row in rows:
+    x, y = row.get(chart['x']), row.get(chart['y'])
+    if x is None or not isinstance(y, (int, float)):
+      continue
+    panel = row.get(chart['panels']) if 'panels' in chart else None
+    series = row.get(chart['series']) if 'series' in chart else None
+    out.setdefault(panel, {}).setdefault(series, {}).setdefault(x, []).append(
+        (y, row.get(chart['yerr']) if 'yerr' in chart else None))
+  result = {}
+  for panel, by_series in out.items():
+    result[panel] = {}
+    for series, by_x in by_series.items():
+      points = []
+      for x, values in by_x.items():
+        ys = [v for v, _ in values]
+        mean = sum(ys) / len(ys)
+        if len(ys) > 1:
+          sd = math.sqrt(sum((v - mean) ** 2 for v in ys) / (len(ys) - 1))
+          error = sd / math.sqrt(len(ys))
+        else:
+          error = values[0][1]
+        points.append((x, mean, error, len(ys)))
+      result[panel][series] = points
+  return result
+
+
+def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
+  """Writes the chart's PNG into `directory`; None when no point has a value to draw."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  groups = _groups(rows, chart)
+  if not groups:
+    return None
+  panels = list(groups)
+  columns = min(len(panels), 3)
+  lines = math.ceil(len(panels) / columns)
+  fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
+  categorical = any(isinstance(x, str) for p in groups.values() for s in p.values()
+                    for x, *_ in s)
+  pooled = any(n > 1 for p in groups.values() for s in p.values() for *_, n in s)
+  for ax, panel in zip(axes.flat, panels):
+    for series, points in groups[panel].items():
+      xs = [x for x, *_ in points]
+      positions = xs if not categorical else [str(x) for x in xs]
+      ys = [y for _, y, _, _ in points]
+      errors = [e if e is not None else 0.0 for _, _, e, _ in points]
+      style = dict(marker='o', capsize=3, label=None if series is None else str(series))
+      if chart.get('kind', 'line') == 'scatter':
+        style['linestyle'] = 'none'
+      if any(errors):
+        ax.errorbar(positions, ys, yerr=errors, **style)
+      else:
+        ax.plot(positions, ys, **{k: v for k, v in style.items() if k != 'capsize'})
+    if 'hline' in chart:
+      ax.axhline(chart['hline'], color='red', linestyle='--', linewidth=1,
+                 label=chart.get('hline_label'))
+    if chart.get('logx') and not categorical:
+      ax.set_xscale('log')
+    if chart.get('logy'):
+      ax.set_yscale('log')
+    if chart.get('logx') and not categorical:   # the grid's own values as ticks, not decades
+      ticks = sorted({x for s in groups[panel].values() for x, *_ in s})
+      ax.set_xticks(ticks, [f'{x:g}' for x in ticks])
+      ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    if panel is not None:
+      ax.set_title(f'{chart["panels"]} = {panel}', fontsize=10)
+    ax.set_xlabel(chart.get('xlabel', _title(chart['x'])))
+    ax.set_ylabel(chart.get('ylabel', _title(chart['y'])))
+    ax.grid(True, alpha=0.3)
+    if categorical:
+      ax.tick_params(axis='x', labelrotation=30)
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+      ax.legend(fontsize=8, title=chart.get('series'))
+  for ax in list(axes.flat)[len(panels):]:
+    ax.set_visible(False)
+  title = chart['title'] + ('\n(mean of repeated points, error bars ± one standard error over '
+                            'them)' if pooled else '')
+  fig.suptitle(title, fontsize=11)
+  fig.tight_layout()
+  path = os.path.join(directory, chart['file'])
+  temporary = path + '.tmp.png'
+  fig.savefig(temporary, dpi=110)
+  plt.close(fig)
+  os.replace(temporary, path)
+  return path
