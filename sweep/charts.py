@@ -10,6 +10,8 @@ A chart is a dict:
   hline, hline_label optional: a horizontal line (e.g. a device's memory) and its legend text
   yerr               optional: a metric holding each point's own error bar (e.g. final_loss_sem)
   xlabel, ylabel     axis titles (default: the metric's header or the label's name)
+  dodge              optional: spread the series that share an x apart by this fraction of the
+                     x range (numeric x), so markers at one x stay readable; the title says so
 Points that share panel, series and x (seeds, say) are drawn as their mean with an error bar of
 the standard error over them (sd / sqrt(n)); a single point gets its `yerr`, if any.
 """
@@ -17,7 +19,7 @@ import math
 import os
 
 CHART_KEYS = ('file', 'title', 'x', 'y', 'series', 'panels', 'kind', 'logx', 'logy', 'hline',
-              'hline_label', 'yerr', 'xlabel', 'ylabel')
+              'hline_label', 'yerr', 'xlabel', 'ylabel', 'dodge')
 
 
 def check_chart(chart: dict, labels: list[str], metrics: tuple[str, ...]) -> None:
@@ -94,9 +96,13 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
                     for x, *_ in s)
   pooled = any(n > 1 for p in groups.values() for s in p.values() for *_, n in s)
   for ax, panel in zip(axes.flat, panels):
-    for series, points in groups[panel].items():
+    all_x = [x for s in groups[panel].values() for x, *_ in s]
+    spread = (chart.get('dodge', 0) * ((max(all_x) - min(all_x)) or 1.0)
+              if not categorical and all_x else 0.0)
+    for i, (series, points) in enumerate(groups[panel].items()):
       xs = [x for x, *_ in points]
-      positions = xs if not categorical else [str(x) for x in xs]
+      shift = spread * (i - (len(groups[panel]) - 1) / 2)
+      positions = [x + shift for x in xs] if not categorical else [str(x) for x in xs]
       ys = [y for _, y, _, _ in points]
       errors = [e if e is not None else 0.0 for _, _, e, _ in points]
       style = dict(marker='o', capsize=3, label=None if series is None else str(series))
@@ -124,13 +130,20 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
     ax.grid(True, alpha=0.3)
     if categorical:
       ax.tick_params(axis='x', labelrotation=30)
-    handles, _ = ax.get_legend_handles_labels()
-    if handles:
-      ax.legend(fontsize=8, title=chart.get('series'))
-  for ax in list(axes.flat)[len(panels):]:
+  spare = list(axes.flat)[len(panels):]
+  for ax in spare:
     ax.set_visible(False)
+  handles, names = axes.flat[0].get_legend_handles_labels()
+  if handles and spare:   # one legend for every panel, in the first empty slot
+    spare[0].set_visible(True)
+    spare[0].axis('off')
+    spare[0].legend(handles, names, loc='center', title=chart.get('series'))
+  elif handles:
+    for ax in list(axes.flat)[:len(panels)]:
+      ax.legend(fontsize=8, title=chart.get('series'))
   title = chart['title'] + ('\n(mean of repeated points, error bars ± one standard error over '
-                            'them)' if pooled else '')
+                            'them)' if pooled else '') + (
+                                '\n(series at one x drawn side by side)' if chart.get('dodge') else '')
   fig.suptitle(title, fontsize=11)
   fig.tight_layout()
   path = os.path.join(directory, chart['file'])

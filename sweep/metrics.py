@@ -116,6 +116,13 @@ def _collective_gb(f: PointFiles):
   return None if collectives is None else sum(c['bytes'] for c in collectives.values()) / GB
 
 
+def _fits(f: PointFiles):
+  """Whether the compiled step fits one device of the sweep's target (no margin kept)."""
+  from configs.hardware import GPUS
+  total = f.memory('per_device_bytes', 'total')
+  return None if total is None else ('yes' if total <= GPUS[f.target]['memory'] else 'no')
+
+
 def _state_bytes_per_param(f: PointFiles):
   """Weights, gradients and optimizer state per parameter on one device (the analytic model)."""
   estimate, n = f.memory('estimate_bytes'), f.memory('num_params')
@@ -179,12 +186,13 @@ METRICS = {
     'estimate_gpu_gb': Metric('estimate on a GPU per device (GB)',
                               _bytes_gb('estimate_gpu_bytes', 'total'), 2),
     'peak_gb': Metric('peak device memory (GB)', _bytes_gb('peak_device_bytes'), 2),
+    'fits': Metric('compiled fits the target device', _fits),
     'collective_gb': Metric('collectives per step per device (GB)', _collective_gb, 2),
     'state_bytes_per_param': Metric('model state (bytes/param)', _state_bytes_per_param, 2),
     'params_m': Metric('parameters (M)', _params_m('num_params'), 2),
     'trainable_m': Metric('trainable parameters (M)', _params_m('trainable_params'), 4),
     'modelled_step_s': Metric('modelled step on target (s)',
-                              lambda f: (_modelled(f) or {}).get('step_s'), 2),
+                              lambda f: (_modelled(f) or {}).get('step_s'), 3),
     'modelled_tflops': Metric('modelled TFLOP/s per GPU on target',
                               lambda f: (_modelled(f) or {}).get('tflops'), 1),
     'plan_recipe': Metric('planned recipe', _plan('recipe')),

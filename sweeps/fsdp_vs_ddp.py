@@ -32,7 +32,7 @@ def get_sweep():
       config='configs/default.py',
       overrides={'precision': 'bf16_mixed', 'model.remat': 'full', 'train.microbatches': 1},
       points=product(choices('model', MODELS), devices, choices('layout', LAYOUTS)),
-      metrics=('params_m', 'compiled_gb', 'estimate_gb', 'estimate_gpu_gb', 'collective_gb',
+      metrics=('params_m', 'compiled_gb', 'fits', 'estimate_gb', 'estimate_gpu_gb', 'collective_gb',
                'modelled_step_s', 'modelled_tflops', 'wall_s'),
       target='H100-80GB',
       charts=(
@@ -43,8 +43,8 @@ def get_sweep():
           dict(file='collectives.png', x='devices', y='collective_gb', series='layout',
                panels='model', logx=True, logy=True,
                ylabel='collective bytes per step per device (GB)',
-               title='What each device sends per step (all-gather + reduce-scatter + all-reduce, '
-                     'compiled)'),
+               title='Collective buffers per device per step (all-gather + reduce-scatter + '
+                     'all-reduce, compiled on XLA:CPU, which gathers bf16 weights in fp32)'),
           dict(file='tflops.png', x='devices', y='modelled_tflops', series='layout',
                panels='model', logx=True,
                ylabel='TFLOP/s per GPU (MODELLED: plan/cost.py)',

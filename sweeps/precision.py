@@ -41,7 +41,7 @@ def get_sweep():
                'compiled_gb', 'wall_s'),
       charts=(
           dict(file='loss_vs_bytes.png', kind='scatter', x='state_bytes_per_param',
-               y='final_loss', series='recipe',
+               y='final_loss', series='recipe', dodge=0.01,
                title='Default run, 500 steps: validation loss vs model-state bytes per parameter'),
           dict(file='loss_by_recipe.png', kind='scatter', x='recipe', y='final_loss',
                title='Default run, 500 steps: validation loss per recipe'),

@@ -248,3 +248,23 @@ def test_ctrl_c_stops_the_points_and_writes_no_results(tmp_path):
   assert not (workdir / 'results.csv').exists() and not (workdir / 'results.md').exists()
   # The run saved a checkpoint on the way out: the same command resumes it.
   assert os.listdir(workdir / 'runs' / 'seed=0' / 'checkpoints')
+
+
+def test_a_before_run_is_its_own_config_and_the_points_name_its_workdir(tmp_path):
+  from sweep.runner import Job
+  path = _sweep_file(tmp_path, """
+      def get_sweep():
+        return dict(title='t', command='train', config='configs/lora.py:tiny',
+                    before={'base': {'config': 'configs/default.py:tiny', 'train.steps': 8}},
+                    overrides={'init_from': 'run:{base}', 'train.steps': 4},
+                    points=axis('lora.rank', [2, 4]), metrics=('final_loss',))
+      """)
+  sweep = spec.load(path)
+  spec.check(sweep)
+  base = Job(sweep, sweep.before['base'], str(tmp_path / 'w'), {})
+  point = Job(sweep, sweep.points[1], str(tmp_path / 'w'), {})
+  assert base.workdir == str(tmp_path / 'w' / 'before' / 'base')
+  assert '--config.train.steps=8' in base.argv and not any('init_from' in a for a in base.argv)
+  assert f'--config.init_from=run:{tmp_path / "w" / "before" / "base"}' in point.argv
+  assert '--config.lora.rank=4' in point.argv and '--config.train.steps=4' in point.argv
+  assert point.workdir == str(tmp_path / 'w' / 'runs' / 'rank=4')
