@@ -38,6 +38,7 @@ def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from data.windows import batch_keys
   from memory.compiled import GiB
   from train.run import compile_train_step, memory_report, setup
 
@@ -51,9 +52,13 @@ def main(argv):
   rng = np.random.default_rng(0)
 
   def batch():
+    # Random tokens, one document per row; the keys the step was compiled for (with packing on,
+    # `segments` too: all one segment, which costs the same as several).
     tokens = rng.integers(0, s.model.vocab_size, (train.batch_size, train.seq_len + 1), np.int32)
-    return {'inputs': jax.device_put(tokens[:, :-1], s.batch_sharding),
-            'targets': jax.device_put(tokens[:, 1:], s.batch_sharding)}
+    arrays = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+              'segments': np.ones((train.batch_size, train.seq_len), np.int32)}
+    return {k: jax.device_put(arrays[k], s.batch_sharding)
+            for k in batch_keys(config.data.packing)}
 
   state = s.layout.init()
   for _ in range(3):

@@ -196,7 +196,7 @@ METRICS = {
     'modelled_tflops': Metric('modelled TFLOP/s per GPU on target',
                               lambda f: (_modelled(f) or {}).get('tflops'), 1),
     'plan_recipe': Metric('planned recipe', _plan('recipe')),
-    'plan_step_s': Metric('planned step (s, modelled)', _plan('step_seconds'), 2),
+    'plan_step_s': Metric('planned step (s, modelled)', _plan('step_seconds'), 3),
     'plan_compiled_gb': Metric('planned recipe compiled per device (GB)',
                                lambda f: None if _plan('compiled_bytes')(f) is None
                                else _plan('compiled_bytes')(f) / GB, 2),

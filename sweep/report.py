@@ -65,7 +65,8 @@ def markdown(sweep: Sweep, table: list[dict], command: str, charts: list[str]) -
            f'Each point: `{sweep.command}` of `{sweep.config}` with its overrides, in its own '
            f'process and workdir (`runs/<point>/`, with `{LOG_FILE}`).', '',
            '| ' + ' | '.join(headers) + ' |',
-           '|' + '|'.join('---:' if c in METRICS else '---' for c in columns) + '|']
+           '|' + '|'.join('---:' if any(isinstance(r.get(c), (int, float)) for r in table)
+                          else '---' for c in columns) + '|']
   for row in table:
     lines.append('| ' + ' | '.join(_cell(c, row.get(c)) for c in columns) + ' |')
   notes = []

@@ -268,3 +268,21 @@ def test_a_before_run_is_its_own_config_and_the_points_name_its_workdir(tmp_path
   assert f'--config.init_from=run:{tmp_path / "w" / "before" / "base"}' in point.argv
   assert '--config.lora.rank=4' in point.argv and '--config.train.steps=4' in point.argv
   assert point.workdir == str(tmp_path / 'w' / 'runs' / 'rank=4')
+
+
+@pytest.mark.parametrize('command, point, metrics', [
+    ('bench', "axis('precision', ['bf16_mixed'])", ('tokens_per_sec', 'mfu', 'compiled_gb')),
+    ('plan', "axis('target', ['1xRTX4090-24GB'])", ('plan_step_s', 'plan_compiled_gb')),
+])
+def test_bench_and_plan_points_report_their_figures(tmp_path, command, point, metrics):
+  path = _sweep_file(tmp_path, f"""
+      def get_sweep():
+        return dict(title='t', command='{command}', config='configs/default.py:tiny',
+                    points={point}, metrics={metrics + ('plan_recipe',)!r})
+      """)
+  done = _run(path, tmp_path / 'w')
+  assert done.returncode == 0, done.stderr[-2000:]
+  [row] = _results(tmp_path / 'w')
+  for metric in metrics:
+    assert float(row[metric]) > 0, (metric, row)
+  assert (row['plan_recipe'] != '') == (command == 'plan')
