@@ -17,6 +17,7 @@ the standard error over them (sd / sqrt(n)); a single point gets its `yerr`, if 
 """
 import math
 import os
+import textwrap
 
 CHART_KEYS = ('file', 'title', 'x', 'y', 'series', 'panels', 'kind', 'logx', 'logy', 'hline',
               'hline_label', 'yerr', 'xlabel', 'ylabel', 'dodge')
@@ -121,7 +122,7 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
       ax.set_yscale('log')
     if chart.get('logx') and not categorical:   # the grid's own values as ticks, not decades
       ticks = sorted({x for s in groups[panel].values() for x, *_ in s})
-      ax.set_xticks(ticks, [f'{x:g}' for x in ticks])
+      ax.set_xticks(ticks, [f'{x:.3g}' for x in ticks])
       ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     if panel is not None:
       ax.set_title(f'{chart["panels"]} = {panel}', fontsize=10)
@@ -144,7 +145,8 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
   title = chart['title'] + ('\n(mean of repeated points, error bars ± one standard error over '
                             'them)' if pooled else '') + (
                                 '\n(series at one x drawn side by side)' if chart.get('dodge') else '')
-  fig.suptitle(title, fontsize=11)
+  width = int(5.2 * columns * 13)   # characters of 11-point text across the figure
+  fig.suptitle('\n'.join(textwrap.fill(line, width) for line in title.split('\n')), fontsize=11)
   fig.tight_layout()
   path = os.path.join(directory, chart['file'])
   temporary = path + '.tmp.png'
