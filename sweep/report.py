@@ -1,6 +1,6 @@
-"""A sweep's results, one row per point of the grid: `results.csv` (every value, full precision),
-`results.md` (the table with units, the failures with their last error line, the charts) and the
-charts the sweep file declares. Each file is written whole under a temporary name and renamed, so a
+"""A sweep's results, one row per point of the grid: `results.csv` (every value at full precision,
+and the point's config and overrides), `results.md` (the table with units, the failures with their
+last error line, the charts) and the charts the sweep file declares. Each file is written whole under a temporary name and renamed, so a
 reader never sees half of one."""
 import csv
 import io
@@ -19,7 +19,9 @@ def rows(sweep: Sweep, directory: str) -> list[dict]:
   for point in sweep.points:
     workdir = point_workdir(directory, point)
     record = read_status(workdir) or {'status': 'not run'}
-    row = {**point.labels, 'status': record['status'], 'error': record.get('error', '')}
+    config, overrides = sweep.settings(point)
+    row = {**point.labels, 'status': record['status'], 'error': record.get('error', ''),
+           'overrides': ' '.join(f'{k}={v}' for k, v in {'config': config, **overrides}.items())}
     files = PointFiles(workdir, sweep.target, config_of(sweep, point))
     for name in sweep.metrics:
       row[name] = METRICS[name].read(files) if record['status'] == 'done' else None
@@ -40,7 +42,8 @@ def _columns(sweep: Sweep) -> list[str]:
 
 def csv_text(sweep: Sweep, table: list[dict]) -> str:
   buffer = io.StringIO()
-  writer = csv.DictWriter(buffer, fieldnames=[*_columns(sweep), 'error'], lineterminator='\n')
+  writer = csv.DictWriter(buffer, fieldnames=[*_columns(sweep), 'error', 'overrides'],
+                          lineterminator='\n')
   writer.writeheader()
   for row in table:
     writer.writerow({k: '' if row.get(k) is None else row[k] for k in writer.fieldnames})

@@ -211,6 +211,8 @@ def test_a_tiny_training_sweep_end_to_end(tmp_path):
   with open(workdir / 'runs' / 'precision=fp32' / 'metrics.jsonl') as f:
     last = [json.loads(line) for line in f][-1]
   assert float(rows[0]['final_loss']) == last['eval_loss']
+  assert rows[0]['overrides'] == ('config=configs/default.py:tiny train.steps=6 train.log_every=2 '
+                                  'train.eval_every=6 precision=fp32')
   # The data was prepared once for the sweep, and every point read that copy.
   prepared = [d for d in os.listdir(workdir / 'data')]
   assert len(prepared) == 1
