@@ -86,11 +86,16 @@ def markdown(sweep: Sweep, table: list[dict], command: str, charts: list[str]) -
                  'XLA:CPU\'s fp32 copies of bf16 matmul operands.')
   if notes:
     lines += [''] + [f'- {n}' for n in notes]
-  failed = [r for r in table if r['status'] != 'done']
-  if failed:
+  name = lambda r: '_'.join(f'{k}={r[k]}' for k in sweep.labels if k in r)
+  unfinished = [r for r in table if r['status'] not in ('done', 'not run')]
+  not_run = [r for r in table if r['status'] == 'not run']
+  if unfinished or not_run:
     lines += ['', '## Not finished', '']
-    lines += [f'- `{"_".join(f"{k}={r[k]}" for k in sweep.labels if k in r)}`: {r["status"]}'
-              + (f': {r["error"]}' if r.get('error') else '') for r in failed]
+    lines += [f'- `{name(r)}`: {r["status"]}' + (f': {r["error"]}' if r.get('error') else '')
+              for r in unfinished]
+    if not_run:
+      lines.append(f'- not run in this directory ({len(not_run)}): '
+                   + ', '.join(f'`{name(r)}`' for r in not_run))
   if charts:
     lines += ['', '## Charts', ''] + [f'![{os.path.basename(c)}]({os.path.basename(c)})'
                                        for c in charts]
