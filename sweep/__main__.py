@@ -8,6 +8,7 @@ DIR/results.md and the sweep's charts from every point's files.
 """
 import os
 import re
+import shlex
 import signal
 import sys
 
@@ -56,7 +57,7 @@ def main(argv):
     if not selected:
       raise SweepError(f'--only={_ONLY.value!r} matches none of the {len(sweep.points)} points, '
                        f'e.g. {sweep.points[0].name}')
-    command = ' '.join(['python -m sweep', *sys.argv[1:]])
+    command = ' '.join(['python -m sweep', *map(shlex.quote, sys.argv[1:])])
     with workdir_lock(directory):
       data_paths = data_directories(sweep, directory)
       jobs = [Job(sweep, p, directory, data_paths) for p in [*sweep.before.values(), *selected]]

@@ -92,7 +92,10 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
   panels = list(groups)
   columns = min(len(panels), 3)
   lines = math.ceil(len(panels) / columns)
-  fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
+  # A legend goes in an empty panel slot, or outside the panels on the right (never over points).
+  outside = ('series' in chart or 'hline_label' in chart) and len(panels) == lines * columns
+  fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns + 2.4 * outside, 4.2 * lines),
+                           squeeze=False)
   categorical = any(isinstance(x, str) for p in groups.values() for s in p.values()
                     for x, *_ in s)
   pooled = any(n > 1 for p in groups.values() for s in p.values() for *_, n in s)
@@ -100,10 +103,14 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
     all_x = [x for s in groups[panel].values() for x, *_ in s]
     spread = (chart.get('dodge', 0) * ((max(all_x) - min(all_x)) or 1.0)
               if not categorical and all_x else 0.0)
-    for i, (series, points) in enumerate(groups[panel].items()):
+    sharing = {}   # x -> the series that have a point there, in order: only those are spread
+    for series, points in groups[panel].items():
+      for x, *_ in points:
+        sharing.setdefault(x, []).append(series)
+    for series, points in groups[panel].items():
       xs = [x for x, *_ in points]
-      shift = spread * (i - (len(groups[panel]) - 1) / 2)
-      positions = [x + shift for x in xs] if not categorical else [str(x) for x in xs]
+      positions = ([x + spread * (sharing[x].index(series) - (len(sharing[x]) - 1) / 2)
+                    for x in xs] if not categorical else [str(x) for x in xs])
       ys = [y for _, y, _, _ in points]
       errors = [e if e is not None else 0.0 for _, _, e, _ in points]
       style = dict(marker='o', capsize=3, label=None if series is None else str(series))
@@ -130,7 +137,7 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
     ax.set_ylabel(chart.get('ylabel', _title(chart['y'])))
     ax.grid(True, alpha=0.3)
     if categorical:
-      ax.tick_params(axis='x', labelrotation=30)
+      plt.setp(ax.get_xticklabels(), rotation=30, ha='right')
   spare = list(axes.flat)[len(panels):]
   for ax in spare:
     ax.set_visible(False)
@@ -140,12 +147,12 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
     spare[0].axis('off')
     spare[0].legend(handles, names, loc='center', title=chart.get('series'))
   elif handles:
-    for ax in list(axes.flat)[:len(panels)]:
-      ax.legend(fontsize=8, title=chart.get('series'))
+    axes.flat[columns - 1].legend(handles, names, loc='upper left', bbox_to_anchor=(1.02, 1),
+                                  fontsize=8, title=chart.get('series'))
   title = chart['title'] + ('\n(mean of repeated points, error bars ± one standard error over '
                             'them)' if pooled else '') + (
                                 '\n(series at one x drawn side by side)' if chart.get('dodge') else '')
-  width = int(5.2 * columns * 13)   # characters of 11-point text across the figure
+  width = int((5.2 * columns + 2.4 * outside) * 13)   # characters of 11-point text across
   fig.suptitle('\n'.join(textwrap.fill(line, width) for line in title.split('\n')), fontsize=11)
   fig.tight_layout()
   path = os.path.join(directory, chart['file'])
