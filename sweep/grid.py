@@ -32,12 +32,12 @@ class Point:
     return re.sub(r'[^A-Za-z0-9_.=+-]', '-', text)
 
 
-def _flat(overrides: dict, prefix: str = '') -> dict:
+def flatten(overrides: dict, prefix: str = '') -> dict:
   """{'mesh': {'fsdp': -1}} -> {'mesh.fsdp': -1}: every override is one dotted key."""
   out = {}
   for key, value in overrides.items():
     if isinstance(value, dict):
-      out.update(_flat(value, f'{prefix}{key}.'))
+      out.update(flatten(value, f'{prefix}{key}.'))
     else:
       out[f'{prefix}{key}'] = value
   return out
@@ -57,7 +57,7 @@ def choices(label: str, options: dict) -> list[Point]:
   """One point per named option, each a dict of overrides: `choices('layout', {'ddp': {...}})`."""
   if not options:
     raise SweepError(f'choices({label!r}) has no options')
-  return [Point({label: name}, _flat(overrides)) for name, overrides in options.items()]
+  return [Point({label: name}, flatten(overrides)) for name, overrides in options.items()]
 
 
 def _merge(points: tuple[Point, ...]) -> Point:

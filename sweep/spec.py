@@ -19,7 +19,7 @@ import os
 import re
 
 import configs
-from sweep.grid import FLAG_KEYS, Point, SweepError, check_names
+from sweep.grid import FLAG_KEYS, Point, SweepError, check_names, flatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ('train', 'dry_run', 'plan', 'bench')
@@ -73,10 +73,15 @@ def load(spec: str) -> Sweep:
     raise SweepError(f'--sweep={spec}: no such sweep file; known: {", ".join(known)}')
   module_spec = importlib.util.spec_from_file_location('_sweep_file', full)
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  if not hasattr(module, 'get_sweep'):
-    raise SweepError(f'{path} has no get_sweep(); a sweep file defines get_sweep(arg=None)')
-  raw = module.get_sweep(arg) if arg else module.get_sweep()
+  try:
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, 'get_sweep'):
+      raise SweepError(f'{path} has no get_sweep(); a sweep file defines get_sweep(arg=None)')
+    raw = module.get_sweep(arg) if arg else module.get_sweep()
+  except SweepError:
+    raise
+  except Exception as e:   # the file's own mistake, in one line rather than a traceback
+    raise SweepError(f'{path}: {type(e).__name__}: {e}') from None
   if not isinstance(raw, dict):
     raise SweepError(f'{path}: get_sweep() returned {type(raw).__name__}; it returns a dict')
   unknown = sorted(set(raw) - set(SWEEP_KEYS))
@@ -103,7 +108,7 @@ def load(spec: str) -> Sweep:
   for name, overrides in raw.get('before', {}).items():
     if not re.fullmatch(r'\w+', name):
       raise SweepError(f'{path}: before run {name!r}; its name is letters, digits and _')
-    before[name] = Point({'before': name}, dict(overrides))
+    before[name] = Point({'before': name}, flatten(overrides))
   from sweep.metrics import METRICS
   metrics = tuple(raw['metrics'])
   for m in metrics:

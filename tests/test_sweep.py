@@ -288,3 +288,13 @@ def test_bench_and_plan_points_report_their_figures(tmp_path, command, point, me
   for metric in metrics:
     assert float(row[metric]) > 0, (metric, row)
   assert (row['plan_recipe'] != '') == (command == 'plan')
+
+
+def test_a_sweep_file_that_raises_is_reported_in_one_line(tmp_path):
+  path = _sweep_file(tmp_path, "def get_sweep():\n  return dict(points=zipped(axis('a', [1]), "
+                                "axis('b', [1, 2])))\n")
+  with pytest.raises(SweepError, match=r'zipped axes have different lengths \[1, 2\]'):
+    spec.load(path)
+  path = _sweep_file(tmp_path, "def get_sweep():\n  return dict(title=undefined_name)\n", 'b.py')
+  with pytest.raises(SweepError, match=r"b.py: NameError: name 'undefined_name' is not defined"):
+    spec.load(path)
