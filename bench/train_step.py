@@ -40,6 +40,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from data.windows import batch_keys
   from memory.compiled import GiB
+  from train import init_from
   from train.run import compile_train_step, memory_report, setup
 
   config = _CONFIG.value
@@ -60,7 +61,7 @@ def main(argv):
     return {k: jax.device_put(arrays[k], s.batch_sharding)
             for k in batch_keys(config.data.packing)}
 
-  state = s.layout.init()
+  state = init_from.fresh_state(s)   # a frozen base (LoRA, QLoRA) drawn a layer at a time
   for _ in range(3):
     state, metrics = compiled(state, batch())
   jax.block_until_ready(metrics)

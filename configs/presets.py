@@ -21,6 +21,10 @@ MODELS = {
     # Llama-2-7B shapes.
     '7b': dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
                head_dim=128, mlp_dim=11008, max_seq_len=4096, tie_embeddings=False),
+    # A Llama-shaped 20B (20.7 B parameters): GPT-NeoX-20B's width (6144) and about its size, with
+    # Llama's SwiGLU MLP and 8 KV heads; the model of the "20B on one 24 GB GPU" QLoRA claim.
+    '20b': dict(vocab_size=32000, d_model=6144, num_layers=52, num_heads=48, num_kv_heads=8,
+                head_dim=128, mlp_dim=16384, max_seq_len=4096, tie_embeddings=False),
     # Llama-2-70B shapes (grouped-query attention, 8 KV heads).
     '70b': dict(vocab_size=32000, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                 head_dim=128, mlp_dim=28672, max_seq_len=4096, tie_embeddings=False),
@@ -45,6 +49,8 @@ TRAIN_SHAPES = {
                precision='bf16_mixed', remat='full'),
     '7b': dict(batch_size=32, seq_len=4096, microbatches=4, steps=10000, learning_rate=3e-4,
                precision='bf16_mixed', remat='full'),
+    '20b': dict(batch_size=64, seq_len=4096, microbatches=4, steps=10000, learning_rate=2e-4,
+                precision='bf16_mixed', remat='full'),
     '70b': dict(batch_size=256, seq_len=4096, microbatches=4, steps=10000, learning_rate=1.5e-4,
                 precision='bf16_mixed', remat='full'),
     '405b': dict(batch_size=512, seq_len=4096, microbatches=1, steps=10000, learning_rate=8e-5,

@@ -60,6 +60,7 @@ class Dense(nnx.Module):
     self.policy = policy
     self.out_dtype = out_dtype
     self.axes = tuple(axes)   # one layer's logical axes (a stacked kernel adds `layers` in front)
+    self.init_std = init_std  # what a random frozen base draws this kernel with (train/init_from.py)
     kernel = jax.nn.initializers.normal(init_std)(rngs.params(), shape, policy.param_dtype)
     self.kernel = logical_param(kernel, axes)
     n_in = len(self.in_features)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from flax import nnx
+from flax import nnx, traverse_util
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from configs import finetune
@@ -192,3 +192,84 @@ def test_a_missing_tokenizer_is_refused_in_one_line(tmp_path):
   with pytest.raises(DataError, match='no tokenizer.json there'):
     run.train_and_evaluate(tiny_config(**{'data.tokenizer': str(tmp_path)}), str(tmp_path / 'r'))
   assert not (tmp_path / 'r').exists()
+
+
+# ---- a random frozen base (LoRA, QLoRA without init_from) -------------------------------------
+
+QLORA = {'lora.rank': 4, 'quant.weights': 'nf4', 'precision': 'bf16_mixed'}
+
+
+def test_a_random_frozen_base_is_drawn_per_layer_with_each_kernels_init_std():
+  config = tiny_config(**{'lora.rank': 4})
+  s, _ = _setup(config, devices=1)
+  state = init_from.fresh_state(s)
+  placed = jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state)
+  assert placed == jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), s.layout.abstract)
+  whole = s.layout.init()   # the initialiser jitted whole: the same adapters, norms and embedding
+  for key in ('params', 'opt_state'):
+    _leaves_equal(state[key], whole[key])
+  _leaves_equal(state['frozen']['embedding'], whole['frozen']['embedding'])
+  _leaves_equal(state['frozen']['blocks']['attention_norm'], whole['frozen']['blocks']['attention_norm'])
+  leaves = {leaf.path: leaf for leaf in init_from.base_leaves(s)}
+  kernels = [p for p, leaf in leaves.items() if leaf.layer is not None]
+  assert len(kernels) == 7   # q, k, v, out, gate, up, down, stacked (tiny ties its head)
+  flat = traverse_util.flatten_dict(state['frozen'])
+  for path in kernels:
+    kernel = np.asarray(flat[path], np.float64)
+    layers = kernel if path[0] == 'blocks' else kernel[None]
+    std = leaves[path].layer.init_std
+    for layer in layers:
+      # The sample standard deviation of n normal draws: relative standard error 1/sqrt(2n).
+      tolerance = 6 / np.sqrt(2 * layer.size)
+      assert abs(layer.std() / std - 1) < tolerance, (path, layer.std(), std)
+      assert abs(layer.mean()) < 6 * std / np.sqrt(layer.size)
+    if len(layers) > 1:
+      assert not np.array_equal(layers[0], layers[1])   # each layer its own draw
+
+
+def test_a_random_quantized_base_is_the_same_on_every_mesh_and_trains():
+  one, _ = _setup(tiny_config(**QLORA), devices=1)
+  sharded, _ = _setup(tiny_config(**QLORA, **{'mesh.data': 1, 'mesh.fsdp': 8,
+                                              'parallel.zero_stage': 3}))
+  a, b = init_from.fresh_state(one), init_from.fresh_state(sharded)
+  _leaves_equal(a['frozen'], b['frozen'])
+  codes = b['frozen']['blocks']['mlp']['up']['kernel']['codes']
+  assert not codes.sharding.is_fully_replicated   # the quantized base is sharded under ZeRO-3
+  batch = {k: jax.device_put(v, sharded.batch_sharding) for k, v in {
+      'inputs': random_tokens((8, 64)), 'targets': random_tokens((8, 64), 1),
+      'segments': np.ones((8, 64), np.int32)}.items()}
+  with sharded.context():
+    _, metrics = sharded.train_step(b, batch)
+  assert np.isfinite(float(metrics['loss']))
+
+
+def test_a_random_base_is_never_drawn_whole_in_floats():
+  """At the 7B preset a QLoRA base is 3.7 GB of NF4; the initialiser jitted whole holds some 130 GB
+  of temporaries (XLA draws every layer of every kernel at once). Drawn by the random source,
+  the rest of the state compiles to less than the base, and each layer's quantize-and-write to at
+  most two fp32 copies of that layer."""
+  config = finetune.finetune_config('qlora', '7b')
+  config.mesh, config.parallel.zero_stage, config.host_devices = dict(data=1, fsdp=1), 0, 0
+  config.train.batch_size, config.train.microbatches = 1, 1
+  s, _ = _setup(config, devices=1)
+  _, base_bytes = s.spec.sizes()
+  whole = s.layout.init.lower().compile().memory_analysis().temp_size_in_bytes
+  assert whole > 10 * base_bytes
+  leaves = [leaf for leaf in init_from.base_leaves(s) if leaf.layer is not None]
+  rest = init_from.rest_initialiser(s, leaves).lower().compile().memory_analysis()
+  assert rest.temp_size_in_bytes < base_bytes
+  quantized = {leaf.path for leaf in leaves}
+  stored = traverse_util.flatten_dict(s.layout.abstract['frozen'],
+                                      is_leaf=lambda path, _: path in quantized)
+  shardings = traverse_util.flatten_dict(s.layout.shardings['frozen'],
+                                         is_leaf=lambda path, _: path in quantized)
+  for leaf in leaves:
+    store = init_from.storer(leaf, stored[leaf.path], shardings[leaf.path], 'nf4')
+    if leaf.path[0] == 'blocks':
+      layer = init_from.layer_of(leaf.source)
+      args = (stored[leaf.path], layer, np.int32(0))
+    else:
+      layer = leaf.source
+      args = (layer,)
+    temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 2 * 4 * np.prod(layer.shape), (leaf.path, temp)

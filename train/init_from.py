@@ -3,20 +3,32 @@ GPT-2 checkpoint ('hf:DIR'), or the latest checkpoint of an earlier run of ours 
 
 The model's shape is the source's (read from its config.json before anything is built). The base
 weights are read and placed one tensor at a time, each straight into its sharding on the current
-mesh, and (QLoRA) quantized as soon as it is on the devices, so neither the host nor the devices
-ever hold two copies of the model, and a quantized base never exists whole in floats. What the
-source does not hold (LoRA adapters, fp8 amax histories) comes from the random initialiser,
-jitted without the base so that XLA drops the random base altogether. What depends on the weights
-is made from the loaded ones: LSQ step sizes (2 mean|w| / sqrt(qmax) of each loaded kernel's output
-channel), and the optimizer state (an fp32 master copy, where the policy keeps one, starts as the
-loaded weights in their stored dtype).
+mesh, and a stacked kernel one layer at a time: each layer is read, cast or (QLoRA) quantized, and
+written into its place in the stacked array, so neither the host nor the devices ever hold two
+copies of the model, and a quantized base never exists whole in floats. What the source does not
+hold (LoRA adapters, fp8 amax histories) comes from the random initialiser, jitted without the base
+so that XLA drops the random base altogether. What depends on the weights is made from the loaded
+ones: LSQ step sizes (2 mean|w| / sqrt(qmax) of each loaded kernel's output channel), and the
+optimizer state (an fp32 master copy, where the policy keeps one, starts as the loaded weights in
+their stored dtype).
+
+A random start with a frozen base (LoRA, QLoRA) goes the same way (`fresh_state`), from a random
+source: jitted whole, the initialiser lets XLA draw every layer of every kernel at once (its compiled
+temporaries at the 7B preset: 57 GB for LoRA's 13.5 GB bf16 base, 130 GB for QLoRA's 3.7 GB NF4
+one; at 20B 402 GB for 11 GB), which no GPU holds. The random source draws each kernel one layer at
+a time from the initialiser's distribution (normal, the Dense's init_std) with its own keys (the
+seed, the kernel's path and the layer), so a random base is the same on every mesh but not the
+values the whole initialiser would have drawn; the base's other weights (norm scales, embedding)
+are the initialiser's own.
 """
 import dataclasses
 import json
 import os
+import zlib
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
@@ -37,13 +49,40 @@ class InitError(ValueError):
 
 @dataclasses.dataclass
 class Source:
-  """Base weights by parameter path: `read(path, abstract)` returns the array, placed as
-  `abstract` (a ShapeDtypeStruct with a sharding) says; `check(path, shape)` raises InitError
-  naming the tensor and both shapes where they differ, reading no tensor data."""
+  """Base weights by parameter path: `read(path, abstract, layer=None)` returns the array, placed
+  as `abstract` (a ShapeDtypeStruct with a sharding) says, or with `layer` only that layer of a
+  stacked one, placed as `layer_of(abstract)`; `check(path, shape)` raises InitError naming the
+  tensor and both shapes where they differ, reading no tensor data. `kernels_only`: the source
+  holds the dense kernels only (a random base); the other base weights are the initialiser's."""
   description: str
   model_fields: dict
-  read: Callable[[tuple, jax.ShapeDtypeStruct], jax.Array]
+  read: Callable[..., jax.Array]
   check: Callable[[tuple, tuple], None]
+  kernels_only: bool = False
+
+
+def layer_of(abstract: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+  """One layer of a stacked array: its shape and dtype without the leading axis, sharded like it
+  on the rest."""
+  sharding = abstract.sharding
+  spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
+  return jax.ShapeDtypeStruct(abstract.shape[1:], abstract.dtype,
+                              sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
+def _last_read(read: Callable) -> Callable:
+  """`read(path, abstract)` that keeps the last tensor it read, so that reading a stacked tensor
+  layer by layer reads its file once."""
+  kept = {}
+
+  def cached(path, abstract):
+    key = (tuple(path), abstract.shape, jnp.dtype(abstract.dtype).name)
+    if key not in kept:
+      kept.clear()
+      kept[key] = read(path, abstract)
+    return kept[key]
+
+  return cached
 
 
 def open_source(config) -> Source | None:
@@ -67,11 +106,18 @@ def _hf_source(directory: str) -> Source:
   except ConvertError as e:
     raise InitError(str(e)) from None
 
-  def read(path, abstract):
+  def read_host(path, abstract):
     try:
-      host = checkpoint.read(path, abstract.shape, abstract.dtype)
+      return checkpoint.read(path, abstract.shape, abstract.dtype)
     except ConvertError as e:
       raise InitError(str(e)) from None
+
+  read_host = _last_read(read_host)
+
+  def read(path, abstract, layer=None):
+    host = read_host(path, abstract)
+    if layer is not None:
+      host, abstract = host[layer], layer_of(abstract)
     return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
 
   def check(path, shape):
@@ -113,7 +159,7 @@ def _run_source(workdir: str) -> Source:
                       f'{tuple(shape)} in this config')
     return node
 
-  def read(path, abstract):
+  def read_whole(path, abstract):
     node = check(path, abstract.shape)
     target = jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=abstract.sharding)
     item = {'params': traverse_util.unflatten_dict({path: target})}
@@ -121,6 +167,15 @@ def _run_source(workdir: str) -> Source:
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True))
     return traverse_util.flatten_dict(restored['params'])[path].astype(abstract.dtype)
+
+  read_whole = _last_read(read_whole)   # restored whole once; its layers are slices of it
+
+  def read(path, abstract, layer=None):
+    whole = read_whole(path, abstract)
+    if layer is None:
+      return whole
+    one = jax.lax.dynamic_index_in_dim(whole, jnp.int32(layer), keepdims=False)
+    return jax.device_put(one, layer_of(abstract).sharding)
 
   return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read, check)
 
@@ -139,12 +194,6 @@ def _flat(tree: dict, whole=()) -> dict:
   """Path tuple -> leaf, with the subtrees at the paths in `whole` (quantized kernels' parts)
   kept as one leaf."""
   return traverse_util.flatten_dict(tree, is_leaf=lambda path, _: path in whole)
-
-
-def _drop(tree: dict, paths: list[tuple]) -> dict:
-  """A copy of `tree` without the leaves at `paths`."""
-  paths = set(paths)
-  return traverse_util.unflatten_dict({k: v for k, v in _flat(tree).items() if k not in paths})
 
 
 @dataclasses.dataclass
@@ -192,36 +241,22 @@ def check_source(s, source: Source) -> list[BaseLeaf]:
 def initial_state(s, source: Source) -> dict:
   """The train state of a fresh run whose base weights come from `source` (s: run.Setup)."""
   spec, layout = s.spec, s.layout
-  leaves = base_leaves(s)
-  paths = [leaf.path for leaf in leaves]
-  where = 'frozen' if spec.adapters else 'params'
-
-  def rest():   # everything else from the random initialiser; the base is not returned, so XLA
-    state = layout.init_fn()   # drops it
-    state.pop('frozen', None)
-    if where == 'params':   # the optimizer state is made from the loaded weights, below
-      state['params'] = _drop(state['params'], paths)
-      state.pop('opt_state')
-    return state
-
-  rest_shardings = dict(layout.shardings)
-  rest_shardings.pop('frozen', None)
-  if where == 'params':
-    rest_shardings['params'] = _drop(rest_shardings['params'], paths)
-    rest_shardings.pop('opt_state')
-  state = jax.jit(rest, out_shardings=rest_shardings)()
+  leaves = [leaf for leaf in base_leaves(s) if leaf.layer is not None or not source.kernels_only]
   quantized = {leaf.path for leaf in leaves if leaf.quantized}
-  # Every frozen leaf is a base weight, filled below; trainable ones are filled where they are base.
-  values = _flat(layout.abstract['frozen'] if where == 'frozen' else state['params'], quantized)
+  where = 'frozen' if spec.adapters else 'params'
+  state = rest_initialiser(s, leaves)()
+  values = _flat(state[where], quantized)
   shardings = _flat(layout.shardings[where], quantized)
+  stored = _flat(layout.abstract[where], quantized)
   for leaf in leaves:
-    value = source.read(leaf.path, leaf.source)
-    if leaf.quantized:   # QLoRA: quantized as soon as it is on the devices
-      n_in = len(leaf.layer.in_features)
-      stacked = value.ndim > n_in + len(leaf.layer.out_features)
-      quantize = jax.jit(lambda k: quantize_parts(k, spec.base_format, n_in, stacked),
-                         out_shardings=shardings[leaf.path])
-      value = quantize(value)
+    store = storer(leaf, stored[leaf.path], shardings[leaf.path], spec.base_format)
+    if _stacked(leaf):   # one layer at a time, written into the stacked array in place
+      value = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stored[leaf.path]),
+                      out_shardings=shardings[leaf.path])()
+      for index in range(leaf.source.shape[0]):
+        value = store(value, source.read(leaf.path, leaf.source, layer=index), jnp.int32(index))
+    else:
+      value = store(source.read(leaf.path, leaf.source))
     values[leaf.path] = value
     step_path = leaf.path[:-1] + ('step_size',)
     if leaf.layer is not None and step_path in values:   # LSQ: step sizes of the loaded kernel
@@ -230,6 +265,89 @@ def initial_state(s, source: Source) -> dict:
   if where == 'params':   # the optimizer starts from the loaded weights (its master copy, if any)
     state['opt_state'] = layout.init_optimizer(state['params'])
   return state
+
+
+def rest_initialiser(s, leaves: list[BaseLeaf]):
+  """The random initialiser, jitted without the base weights `leaves` (and, where they are
+  trainable, without the optimizer state, which is made from them): XLA drops what is not
+  returned, so the base is never drawn whole."""
+  where = 'frozen' if s.spec.adapters else 'params'
+  paths = {leaf.path for leaf in leaves}
+  quantized = {leaf.path for leaf in leaves if leaf.quantized}
+
+  def without_base(tree):
+    tree = dict(tree)
+    tree[where] = traverse_util.unflatten_dict(
+        {k: v for k, v in _flat(tree[where], quantized).items() if k not in paths})
+    if where == 'params':
+      tree.pop('opt_state')
+    return tree
+
+  return jax.jit(lambda: without_base(s.layout.init_fn()),
+                 out_shardings=without_base(s.layout.shardings))
+
+
+def _stacked(leaf: BaseLeaf) -> bool:
+  dense = leaf.layer
+  return dense is not None and len(leaf.source.shape) > len(dense.in_features) + len(
+      dense.out_features)
+
+
+def storer(leaf: BaseLeaf, stored, sharding, base_format: str | None):
+  """Jitted: a base weight as read (floats) to what the state stores (`stored`: its abstract
+  value, quantized parts for QLoRA's kernels). For a stacked kernel it takes (the stacked array,
+  one layer, its index) and writes the layer in place (the array is donated), so only one layer is
+  ever in floats beside what is already stored; otherwise it takes the whole weight."""
+  n_in = len(leaf.layer.in_features) if leaf.layer is not None else 0
+  if leaf.quantized:   # QLoRA: quantized as soon as it is on the devices
+    store = lambda w: quantize_parts(w, base_format, n_in, stacked=False)
+  else:
+    store = lambda w: w.astype(stored.dtype)
+  if not _stacked(leaf):
+    return jax.jit(store, out_shardings=sharding)
+
+  def write(whole, w, index):
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, index, 0),
+                        whole, store(w))
+
+  return jax.jit(write, out_shardings=sharding, donate_argnums=0)
+
+
+def random_source(s) -> Source:
+  """A random frozen base (LoRA, QLoRA): each dense kernel drawn one layer at a time, normal with
+  its Dense's init_std in fp32 (as the initialiser draws it) from keys of the run's seed, the
+  kernel's path and the layer."""
+  stds = {leaf.path: leaf.layer.init_std for leaf in base_leaves(s) if leaf.layer is not None}
+  seed = s.spec.seed
+  draws = {}
+
+  def draw(path, abstract):   # jitted once per kernel, called once per layer
+    if path not in draws:
+      std = stds[path]
+      draws[path] = jax.jit(
+          lambda key: (jax.random.normal(key, abstract.shape, jnp.float32) * std).astype(
+              abstract.dtype), out_shardings=abstract.sharding)
+    return draws[path]
+
+  def read(path, abstract, layer=None):
+    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32('/'.join(path).encode()))
+    if layer is not None:
+      abstract, key = layer_of(abstract), jax.random.fold_in(key, layer)
+    return draw(path, abstract)(key)
+
+  def check(path, shape):
+    if path not in stds:
+      raise InitError(f'{"/".join(path)} is not a dense kernel; a random base draws kernels only')
+
+  return Source(f'random (seed {seed})', {}, read, check, kernels_only=True)
+
+
+def fresh_state(s, source: Source | None = None) -> dict:
+  """A fresh run's train state: from `source` (init_from), else random; a random frozen base
+  (LoRA, QLoRA) is drawn a layer at a time (random_source), never whole."""
+  if source is None and 'frozen' not in s.layout.abstract:
+    return s.layout.init()
+  return initial_state(s, source or random_source(s))
 
 
 def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, sharding) -> jax.Array:

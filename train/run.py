@@ -305,7 +305,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if restored is None:
       checkpoints = checkpoints or Checkpointer(os.path.join(workdir, 'checkpoints'),
                                                 keep=train.keep_checkpoints)
-      state, start = (s.layout.init() if source is None else init_from.initial_state(s, source)), 0
+      state, start = init_from.fresh_state(s, source), 0
       if source is not None and is_main():
         print(f'init        base weights from {source.description}')
     else:
