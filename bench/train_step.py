@@ -1,12 +1,17 @@
-"""Benchmark: tokens/s and model-FLOPs utilisation (MFU) of the train step, and its compiled memory.
+"""Benchmark: tokens/s and model-FLOPs utilisation (MFU) of the train step, its compiled memory, the
+analytic estimate beside it and, on a device that reports it, the peak memory the process used.
 
-MFU here is measured against the matrix-multiply rate this same machine reaches in this same run
-(a large square matmul in the step's compute dtype), not against a datasheet peak: on a CPU there
-is no datasheet figure worth quoting, and the measured rate is the ceiling the step could reach.
+MFU is given twice: against the matrix-multiply rate this same machine reaches in this same run
+(a large square matmul in the step's compute dtype: the ceiling the step could reach here, the one
+figure worth quoting on a CPU), and, on a device with a datasheet (configs/hardware.py), against
+its dense bf16 peak. Model FLOPs are the model's training FLOPs per token (models/config.py: 6 per
+matmul weight, 4 with a frozen LoRA base) without what remat recomputes.
 
   python -m bench.train_step                                  # the default config and shape
   python -m bench.train_step --config=configs/default.py:tiny --steps=20
   python -m bench.train_step --config.precision=bf16_mixed    # any config override
+  python -m bench.train_step --out=bench.json                 # everything below, and memory.json's
+                                                              # fields, as JSON
 """
 import json
 import time
@@ -18,8 +23,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
-_STEPS = flags.DEFINE_integer('steps', 30, 'Timed steps (after 3 warm-up steps).')
-_MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Side of the square matmul that measures the peak.')
+_STEPS = flags.DEFINE_integer('steps', 30, 'Timed steps (after the warm-up steps).')
+_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first one compiles nothing: '
+                               'the step is compiled before; they settle the allocator and clocks).')
+_MATMUL = flags.DEFINE_integer('matmul_size', None, 'Side of the square matmul that measures the '
+                               'reachable rate; default 8192 on an accelerator, 2048 on a CPU.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the results as JSON to this file.')
 
 
@@ -38,15 +46,22 @@ def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  from configs.hardware import datasheet
   from data.windows import batch_keys
-  from memory.compiled import GiB
+  from memory.compiled import GiB, device_memory_limit, peak_device_memory
+  from models.attention import resolve
   from train import init_from
   from train.run import compile_train_step, memory_report, setup
 
   config = _CONFIG.value
+  if _STEPS.value < 1 or _WARMUP.value < 0:
+    raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
+                         f'least 1 and warmup at least 0')
   if config.get('host_devices'):   # as main.py: with no accelerator, simulate that many devices
     jax.config.update('jax_num_cpu_devices', config.host_devices)
-  s = setup(config)
+  # A mesh of fixed sizes runs on that many devices (one GPU of eight, say); one with -1 on all.
+  sizes = list(config.mesh.values())
+  s = setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)
   train = config.train
@@ -62,39 +77,68 @@ def main(argv):
             for k in batch_keys(config.data.packing)}
 
   state = init_from.fresh_state(s)   # a frozen base (LoRA, QLoRA) drawn a layer at a time
-  for _ in range(3):
+  metrics = None
+  for _ in range(_WARMUP.value):
     state, metrics = compiled(state, batch())
-  jax.block_until_ready(metrics)
+  jax.block_until_ready((state, metrics))
   batches = [batch() for _ in range(_STEPS.value)]
   start = time.perf_counter()
   for b in batches:
     state, metrics = compiled(state, b)
   jax.block_until_ready((state, metrics))
   seconds = (time.perf_counter() - start) / _STEPS.value
+  peak_bytes = peak_device_memory()
+  loss = float(metrics['loss'])
 
+  platform = jax.devices()[0].platform
+  device_kind = jax.devices()[0].device_kind
   tokens_per_sec = train.batch_size * train.seq_len / seconds
-  # Per device, against one device's matmul rate.
-  model_flops = s.model.flops_per_token(train.seq_len) * tokens_per_sec / jax.device_count()
-  peak = matmul_flops_per_sec(_MATMUL.value, s.policy.compute_dtype)
+  base_trains = not config.lora.rank
+  flops_per_token = s.model.flops_per_token(train.seq_len, base_trains)
+  # Per device, against one device's rates.
+  model_flops = flops_per_token * tokens_per_sec / s.mesh.size
+  matmul_size = _MATMUL.value or (2048 if platform == 'cpu' else 8192)
+  reachable = matmul_flops_per_sec(matmul_size, s.policy.compute_dtype)
+  sheet = datasheet(device_kind)
+  peak_flops = sheet['peak_bf16'] if sheet else None
   results = {
-      'config': config.name, 'precision': s.policy.name, 'devices': jax.device_count(),
-      'platform': jax.devices()[0].platform, 'batch_size': train.batch_size, 'seq_len': train.seq_len,
-      'num_params': s.model.num_params, 'step_seconds': seconds, 'tokens_per_sec': tokens_per_sec,
-      'model_flops_per_sec': model_flops, 'matmul_flops_per_sec': peak, 'mfu': model_flops / peak,
-      'per_device_bytes': memory['per_device_bytes'], 'estimate_bytes': memory['estimate_bytes'],
+      **memory,
+      'config': config.name, 'precision': s.policy.name, 'quant_mode': config.quant.mode,
+      'attention': resolve(config.model.attention, s.policy.compute_dtype, platform),
+      'remat': config.model.remat, 'lora_rank': config.lora.rank,
+      'devices': s.mesh.size, 'platform': platform, 'device_kind': device_kind,
+      'batch_size': train.batch_size, 'seq_len': train.seq_len, 'microbatches': train.microbatches,
+      'steps': _STEPS.value, 'warmup': _WARMUP.value, 'loss': loss,
+      'base_trains': base_trains, 'flops_per_token': flops_per_token,
+      'step_seconds': seconds, 'tokens_per_sec': tokens_per_sec,
+      'model_flops_per_sec': model_flops, 'matmul_size': matmul_size,
+      'matmul_flops_per_sec': reachable, 'mfu': model_flops / reachable,
+      'peak_flops_per_sec': peak_flops,
+      'mfu_peak': None if peak_flops is None else model_flops / peak_flops,
+      'peak_device_bytes': peak_bytes, 'device_bytes_limit': device_memory_limit(),
   }
-  print(f'{config.name} ({s.policy.name}, {jax.device_count()} x {results["platform"]}), '
+  print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), '
         f'batch {train.batch_size} x {train.seq_len} tokens, {s.model.num_params / 1e6:.2f} M params')
-  print(f'  step time          {seconds * 1e3:.1f} ms')
+  print(f'  step time          {seconds * 1e3:.1f} ms (mean of {_STEPS.value}; loss {loss:.4f} nats/token)')
   print(f'  throughput         {tokens_per_sec:,.0f} tokens/s')
   print(f'  model FLOPs        {model_flops / 1e9:.2f} GFLOP/s per device '
-        f'({s.model.flops_per_token(train.seq_len) / 1e6:.2f} MFLOP/token)')
-  print(f'  matmul rate        {peak / 1e9:.2f} GFLOP/s ({_MATMUL.value}^2 {jnp.dtype(s.policy.compute_dtype).name} matmul, best of 10)')
-  print(f'  MFU                {100 * results["mfu"]:.1f} % of the measured matmul rate')
+        f'({flops_per_token / 1e6:.2f} MFLOP/token{"" if base_trains else ", frozen base"})')
+  print(f'  matmul rate        {reachable / 1e9:.2f} GFLOP/s ({matmul_size}^2 '
+        f'{jnp.dtype(s.policy.compute_dtype).name} matmul, best of 10)')
+  print(f'  MFU                {100 * results["mfu"]:.1f} % of the measured matmul rate'
+        + ('' if peak_flops is None else
+           f', {100 * results["mfu_peak"]:.1f} % of the datasheet {peak_flops / 1e12:.0f} TFLOP/s'))
   compiled_bytes = memory['per_device_bytes']
   print(f'  compiled memory    {compiled_bytes["total"] / GiB:.3f} GiB per device (arguments '
         f'{compiled_bytes["arguments"] / GiB:.3f}, outputs {compiled_bytes["outputs"] / GiB:.3f}, '
         f'aliased {compiled_bytes["aliased"] / GiB:.3f}, temp {compiled_bytes["temp"] / GiB:.3f})')
+  print(f'  estimate           {memory["estimate_bytes"]["total"] / GiB:.3f} GiB per device '
+        f'({memory["estimate_gpu_bytes"]["total"] / GiB:.3f} GiB on a GPU)')
+  if peak_bytes is not None:
+    limit = results['device_bytes_limit']
+    print(f'  peak in use        {peak_bytes / GiB:.3f} GiB on device 0 (the allocator\'s peak, '
+          f'initialisation included' + ('' if limit is None else f'; it may use '
+                                        f'{limit / GiB:.3f} GiB') + ')')
   if _OUT.value:
     with open(_OUT.value, 'w') as f:
       json.dump(results, f, indent=2)

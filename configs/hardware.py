@@ -5,6 +5,17 @@ intra_node: NVLink (or PCIe) bandwidth per GPU per direction in bytes/s; inter_n
 bandwidth per GPU in bytes/s (one 200/400 Gb/s NIC per GPU on the usual 8-GPU nodes);
 per_node: GPUs that share the intra-node link. A target of `<N>x<M>GB` takes an unnamed device with
 M GB (1e9 bytes) and H100's speeds.
+
+Sources (the dense figures; datasheets print twice as much "with sparsity"):
+  A100-40GB/80GB  NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOPS bf16; 1,555 / 2,039 GB/s
+  H100-80GB       NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): 989 TFLOPS bf16 (1,979 fp8
+                  and int8); 3.35 TB/s; NVLink 900 GB/s (450 each way)
+  H200-141GB      NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOPS bf16; 4.8 TB/s
+  L40S-48GB       NVIDIA L40S datasheet: 362 TFLOPS bf16; 864 GB/s; PCIe Gen4 x16
+  RTX4090-24GB    NVIDIA Ada Lovelace architecture whitepaper, appendix A: 165 TFLOPS bf16 with
+                  fp32 accumulation (330 with fp16 accumulation); 1,008 GB/s; PCIe Gen4 x16
+MFU here is always against peak_bf16, for fp8 and int8 matmuls too (their own peak is twice it on
+H100 and H200): a faster format shows as a higher MFU, as torchtitan and MaxText report it.
 """
 GB = 1e9
 

@@ -21,8 +21,18 @@ def compiled_memory(compiled) -> dict:
           'total': arguments + outputs - aliased + temp}
 
 
-def peak_device_memory() -> int | None:
-  """Peak bytes in use on the first local device, where the backend reports it (GPUs, not CPUs)."""
+def _device_stat(name: str) -> int | None:
   import jax
   stats = jax.local_devices()[0].memory_stats()
-  return int(stats['peak_bytes_in_use']) if stats and 'peak_bytes_in_use' in stats else None
+  return int(stats[name]) if stats and name in stats else None
+
+
+def peak_device_memory() -> int | None:
+  """Peak bytes in use on the first local device, where the backend reports it (GPUs, not CPUs)."""
+  return _device_stat('peak_bytes_in_use')
+
+
+def device_memory_limit() -> int | None:
+  """The bytes the first local device's allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION of the
+  device), where the backend reports it."""
+  return _device_stat('bytes_limit')

@@ -150,8 +150,10 @@ class ModelConfig:
     per_layer = self.attention_params_per_layer + self.mlp_params_per_layer
     return self.num_layers * per_layer + self.vocab_size * self.d_model
 
-  def flops_per_token(self, seq_len: int) -> float:
+  def flops_per_token(self, seq_len: int, base_trains: bool = True) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B convention:
-    6 per matmul weight, plus 12 * layers * heads * head_dim * seq_len for the attention scores."""
+    6 per matmul weight, plus 12 * layers * heads * head_dim * seq_len for the attention scores.
+    `base_trains=False` (LoRA: the weights are frozen): 4 per matmul weight, the forward pass and
+    the gradient of its input, with no gradient of the weight (the adapters' are negligible)."""
     attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-    return 6 * self.matmul_params + attention
+    return (6 if base_trains else 4) * self.matmul_params + attention

@@ -2,9 +2,10 @@
 plus the collectives' bytes over their links. A ranking model, not a promise: the assumptions are
 printed with every plan.
 
-- Compute: the model's FLOPs per token (6 per matmul weight, plus attention) times the tokens of a
-  step, times the recompute of the remat policy (full: the forward runs twice, 8/6; dots: only the
-  elementwise work is redone, taken as 1.05), at MFU_ASSUMED of the devices' bf16 peak.
+- Compute: the model's FLOPs per token (6 per matmul weight, plus attention; 4 per weight with a
+  frozen base, LoRA: no weight gradients) times the tokens of a step, plus the recompute of the
+  remat policy as a share of the full training FLOPs (full: the forward runs again, 2/6; dots:
+  only the elementwise work is redone, taken as 0.05), at MFU_ASSUMED of the devices' bf16 peak.
 - Data-parallel collectives (ring algorithms: an all-reduce moves 2 (k-1)/k of the buffer per
   device, an all-gather or reduce-scatter (k-1)/k) run over NVLink while the data-parallel group
   fits in one node and over the network beyond it; they overlap with compute:
@@ -64,17 +65,20 @@ class Recipe:
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
-                 policy: Policy) -> dict[str, float]:
+                 policy: Policy, base_trains: bool = True) -> dict[str, float]:
   """Seconds per step by part, and the bytes behind the communication parts. Weights are gathered
-  and gradients reduced in the policy's param dtype."""
+  and gradients reduced in the policy's param dtype. `base_trains=False`: LoRA (the compute has
+  no weight gradients; the optimizer and the collectives are still sized as full training, an
+  over-estimate that is small beside the compute on one node)."""
   param_bytes, compute_bytes = policy.param_bytes, policy.compute_bytes
   n, t, P = target.count, recipe.tensor, recipe.stages
   dp = n // (t * P)
   tokens = batch * seq_len
   # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M.
   bubble = recipe.pipeline_iterations / recipe.pipeline_microbatches
-  compute = (cfg.flops_per_token(seq_len) * tokens * RECOMPUTE[recipe.remat] * bubble
-             / (n * target.peak_bf16 * MFU_ASSUMED))
+  flops = (cfg.flops_per_token(seq_len, base_trains)
+           + (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
+  compute = flops * tokens * bubble / (n * target.peak_bf16 * MFU_ASSUMED)
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
   f = (dp - 1) / dp

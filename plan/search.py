@@ -4,8 +4,8 @@ estimated step time, the fastest verified by compiling its train step on simulat
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches, and on
 targets of several nodes pipeline stages (GPipe) x pipeline microbatches (plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
-frozen-base storage (a LoRA config is sized with only the adapters training; its step time is
-still the full-training model's, an over-estimate that does not change the ranking by much). A recipe fits when its per-device
+frozen-base storage (a LoRA config is sized with only the adapters training, and its compute has
+no weight gradients). A recipe fits when its per-device
 total stays under the device memory less MARGIN (kept for the CUDA context, NCCL buffers and
 allocator fragmentation, which neither the compiler's figure nor the estimate sees).
 
@@ -107,7 +107,7 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
   return Candidate(recipe, estimate(cfg, policy, shape, _frozen(config, recipe.precision)),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
-                                policy))
+                                policy, base_trains=not config.lora.rank))
 
 
 def keeps_fp32_update(candidate: Candidate) -> bool:

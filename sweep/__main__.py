@@ -7,7 +7,6 @@ finished points, runs failed and interrupted ones again, and rewrites DIR/result
 DIR/results.md and the sweep's charts from every point's files.
 """
 import os
-import re
 import shlex
 import signal
 import sys
@@ -37,52 +36,21 @@ def main(argv):
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  from sweep.grid import SweepError
-  from sweep.runner import Job, Runner, data_directories, prepare_data, run_jobs
-  from sweep import report, spec
   from data import DataError
-  from train.workdir_lock import WorkdirBusy, workdir_lock
+  from sweep.grid import SweepError
+  from sweep.session import run_sweep
+  from train.workdir_lock import WorkdirBusy
 
-  directory = _WORKDIR.value
+  command = ' '.join(['python -m sweep', *map(shlex.quote, sys.argv[1:])])
   try:
-    sweep = spec.load(_SWEEP.value)
-    only = None
-    if _ONLY.value is not None:
-      try:
-        only = re.compile(_ONLY.value)
-      except re.error as e:
-        raise SweepError(f'--only={_ONLY.value!r} is not a regular expression: {e}') from None
-    spec.check(sweep)
-    selected = [p for p in sweep.points if only is None or only.search(p.name)]
-    if not selected:
-      raise SweepError(f'--only={_ONLY.value!r} matches none of the {len(sweep.points)} points, '
-                       f'e.g. {sweep.points[0].name}')
-    command = ' '.join(['python -m sweep', *map(shlex.quote, sys.argv[1:])])
-    with workdir_lock(directory):
-      data_paths = data_directories(sweep, directory)
-      jobs = [Job(sweep, p, directory, data_paths) for p in [*sweep.before.values(), *selected]]
-      states = [job.state() for job in jobs]    # refuses a foreign or changed workdir up front
-      todo = [job for job, state in zip(jobs, states) if state != 'done']
-      if todo:
-        prepare_data(data_paths)
-      print(f'sweep       {sweep.title}: {len(sweep.points)} points ({sweep.command}), '
-            f'{len(jobs) - len(todo)} finished, {len(todo)} to run, {_PARALLEL.value} at a time')
-      try:
-        run_jobs(todo, Runner(_PARALLEL.value))
-      except KeyboardInterrupt:
-        sys.exit('interrupted: the points that were running are recorded as interrupted; the same '
-                 'command resumes the sweep')
-      table = report.write(sweep, directory, command)
+    _, table = run_sweep(_SWEEP.value, _WORKDIR.value, command, _PARALLEL.value, _ONLY.value)
+  except KeyboardInterrupt:
+    sys.exit('interrupted: the points that were running are recorded as interrupted; the same '
+             'command resumes the sweep')
   except (SweepError, DataError, WorkdirBusy) as e:
     sys.exit(f'error: {e}')
-  done = sum(r['status'] == 'done' for r in table)
-  failed = [r for r in table if r['status'] == 'failed']
-  print(f'results     {done} of {len(table)} points done, {len(failed)} failed: '
-        f'{os.path.join(directory, "results.md")}, results.csv'
-        + ''.join(f', {c["file"]}' for c in sweep.charts))
-  if failed:
+  if any(r['status'] == 'failed' for r in table):
     sys.exit(1)
-
 
 if __name__ == '__main__':
   app.run(main)

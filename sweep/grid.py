@@ -7,13 +7,16 @@ results) and the config overrides that make it. Sweep files build them with four
   zipped(a, b, ...)                                  # the i-th of each together
 
 An override key is a dotted config key (`train.seed`, `mesh.fsdp`), or `config` (the config file
-and preset, `configs/fsdp.py:7b`) or `target` (with command `plan`: `--target`).
+and preset, `configs/fsdp.py:7b`), `target` (with command `plan`: `--target`), or `bench_steps` /
+`bench_warmup` (with command `bench`: bench.train_step's `--steps` / `--warmup`).
 """
 import dataclasses
 import itertools
 import re
 
-FLAG_KEYS = ('config', 'target')   # override keys that are main.py flags, not config keys
+# Override keys that are command-line flags, not config keys: key -> the flag it sets.
+FLAG_KEYS = {'config': '--config', 'target': '--target', 'bench_steps': '--steps',
+             'bench_warmup': '--warmup'}
 
 
 class SweepError(ValueError):

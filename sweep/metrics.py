@@ -52,8 +52,7 @@ class PointFiles:
     return [r for r in self.rows() if 'eval_loss' in r]
 
   def memory(self, *keys):
-    value = self.json('memory.json') or (self.json('bench.json') if keys[0] in (
-        'per_device_bytes', 'estimate_bytes') else None)
+    value = self.json('memory.json') or self.json('bench.json')   # a bench point writes memory's keys
     for key in keys:
       if not isinstance(value, dict) or key not in value:
         return None
@@ -92,16 +91,65 @@ def _mfu(f: PointFiles):
   """bench points: against the matmul rate measured in the same run; train points: against the
   device's datasheet bf16 dense peak, when memory.json names a device that has one (a GPU)."""
   bench = f.json('bench.json')
-  if bench:
-    return bench['mfu']
+  return bench['mfu'] if bench else _mfu_peak(f)
+
+
+def _mfu_peak(f: PointFiles):
+  """Against the datasheet bf16 dense peak of the device the point ran on (None: none, a CPU)."""
   from configs.hardware import datasheet
   peak = datasheet(f.memory('device_kind') or '')
   config, tokens_per_sec, devices = f.config, _tokens_per_sec(f), _devices(f)
   if peak is None or config is None or tokens_per_sec is None or not devices:
     return None
   from train.checks import model_config
-  flops = model_config(config).flops_per_token(config.train.seq_len) * tokens_per_sec
-  return flops / devices / peak['peak_bf16']
+  flops = model_config(config).flops_per_token(config.train.seq_len, not config.lora.rank)
+  return flops * tokens_per_sec / devices / peak['peak_bf16']
+
+
+def _measured_step_s(f: PointFiles):
+  tokens_per_sec, config = _tokens_per_sec(f), f.config
+  if not tokens_per_sec or config is None:
+    return None
+  return config.train.batch_size * config.train.seq_len / tokens_per_sec
+
+
+def _on_target(f: PointFiles) -> bool:
+  """Whether the point ran on the sweep's target GPU (its modelled and measured times compare)."""
+  from configs.hardware import DEVICE_KINDS
+  return DEVICE_KINDS.get(f.memory('device_kind') or '') == f.target
+
+
+def _modelled_vs_measured(f: PointFiles):
+  modelled, measured = (_modelled(f) or {}).get('step_s'), _measured_step_s(f)
+  return modelled / measured if modelled and measured and _on_target(f) else None
+
+
+def _calibrated_mfu(f: PointFiles):
+  """The MFU the cost model would have to assume (plan/cost.py MFU_ASSUMED) for its step time to
+  be the measured one: its compute at MFU_ASSUMED, scaled to the measured time less the parts it
+  does not scale (optimizer, tensor and pipeline traffic). Only on the target GPU."""
+  from plan.cost import MFU_ASSUMED
+  seconds, measured = (_modelled(f) or {}).get('seconds'), _measured_step_s(f)
+  if not seconds or not measured or not _on_target(f):
+    return None
+  fixed = seconds['total'] - max(seconds['compute'], seconds['data_parallel_comm'])
+  if measured <= fixed:
+    return None
+  return MFU_ASSUMED * seconds['compute'] / (measured - fixed)
+
+
+def _peak_vs_estimate(f: PointFiles):
+  peak, estimate = f.memory('peak_device_bytes'), f.memory('estimate_gpu_bytes', 'total')
+  return peak / estimate if peak and estimate else None
+
+
+def _bench(key, scale=1.0):
+  def read(f: PointFiles):
+    bench = f.json('bench.json')
+    value = None if bench is None else bench.get(key)
+    return value * scale if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else value
+  return read
 
 
 def _bytes_gb(*keys):
@@ -154,10 +202,13 @@ def _modelled(f: PointFiles) -> dict | None:
                   microbatches=train.microbatches, stages=mesh['stage'],
                   pipeline_microbatches=parallel.pipeline_microbatches if mesh['stage'] > 1 else 1)
   cfg = model_config(config)
+  base_trains = not config.lora.rank
   seconds = step_seconds(cfg, recipe, train.batch_size, train.seq_len,
-                         Target(devices, f.target, **GPUS[f.target]), get_policy(config.precision))
-  flops = cfg.flops_per_token(train.seq_len) * train.batch_size * train.seq_len
-  return {'step_s': seconds['total'], 'tflops': flops / seconds['total'] / devices / 1e12}
+                         Target(devices, f.target, **GPUS[f.target]), get_policy(config.precision),
+                         base_trains)
+  flops = cfg.flops_per_token(train.seq_len, base_trains) * train.batch_size * train.seq_len
+  return {'step_s': seconds['total'], 'tflops': flops / seconds['total'] / devices / 1e12,
+          'seconds': seconds}
 
 
 def _plan(key):
@@ -181,6 +232,12 @@ METRICS = {
     'bits_per_byte': Metric('validation bits/byte', lambda f: _final_eval(f, 'eval_bits_per_byte'), 4),
     'tokens_per_sec': Metric('tokens/s', _tokens_per_sec, 0),
     'mfu': Metric('MFU', _mfu, 3),
+    'mfu_peak': Metric('MFU of the datasheet bf16 peak', _mfu_peak, 3),
+    'step_ms': Metric('step (ms)', _bench('step_seconds', 1e3), 1),
+    'attention': Metric('attention', _bench('attention')),
+    'peak_vs_estimate': Metric('peak ÷ GPU estimate', _peak_vs_estimate, 3),
+    'modelled_vs_measured': Metric('modelled ÷ measured step', _modelled_vs_measured, 3),
+    'calibrated_mfu': Metric('MFU the cost model would need', _calibrated_mfu, 3),
     'compiled_gb': Metric('compiled per device (GB)', _bytes_gb('per_device_bytes', 'total'), 2),
     'estimate_gb': Metric('estimate per device (GB)', _bytes_gb('estimate_bytes', 'total'), 2),
     'estimate_gpu_gb': Metric('estimate on a GPU per device (GB)',

@@ -80,6 +80,19 @@ def markdown(sweep: Sweep, table: list[dict], command: str, charts: list[str]) -
     notes.append('MFU: a bench point\'s is against the matmul rate measured in the same run; a '
                  'training point\'s against its device\'s datasheet bf16 dense peak '
                  '(configs/hardware.py), empty where the device has none (a CPU).')
+  if 'mfu_peak' in sweep.metrics:
+    notes.append('MFU of the datasheet peak: model FLOPs (6 per matmul weight, 4 with a frozen '
+                 'LoRA base, plus attention; not what remat recomputes) against the device\'s '
+                 'dense bf16 peak (configs/hardware.py), for fp8 and int8 matmuls too; empty on a '
+                 'device without one (a CPU).')
+  if any(m in sweep.metrics for m in ('modelled_vs_measured', 'calibrated_mfu')):
+    notes.append(f'"Modelled ÷ measured" and "MFU the cost model would need" compare the cost '
+                 f'model with the point\'s measured step only where the point ran on {sweep.target}; '
+                 f'the cost model assumes one MFU for every recipe (plan/cost.py MFU_ASSUMED).')
+  if 'peak_vs_estimate' in sweep.metrics:
+    notes.append('"Peak" is the allocator\'s peak bytes in use on device 0 over the whole process '
+                 '(initialisation and compilation included), against the analytic estimate on a '
+                 'GPU; empty where the device does not report it (a CPU).')
   if any(m in sweep.metrics for m in ('compiled_gb', 'estimate_gb', 'estimate_gpu_gb')):
     notes.append('GB = 1e9 bytes. "Compiled" is XLA\'s memory analysis of the compiled step on '
                  'this machine\'s backend; "estimate on a GPU" the analytic model without '

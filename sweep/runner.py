@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from sweep.grid import Point, SweepError
+from sweep.grid import FLAG_KEYS, Point, SweepError
 from sweep.spec import ROOT, Sweep, config_of, project_path
 
 STATUS_FILE = 'sweep.json'
@@ -74,7 +74,10 @@ class Job:
     else:
       argv = [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={config_flag}']
     for key, value in overrides.items():
-      if key == 'target':
+      if key == 'target':   # plan's, below
+        continue
+      if key in FLAG_KEYS:
+        argv.append(f'{FLAG_KEYS[key]}={_text(value)}')
         continue
       if isinstance(value, str):
         value = re.sub(r'\{(\w+)\}', lambda m: refs.get(m[1], m[0]), value)

@@ -167,6 +167,12 @@ def check(sweep: Sweep) -> None:
   for point in [*sweep.before.values(), *sweep.points]:
     config = config_of(sweep, point)
     command = 'train' if point.labels.get('before') else sweep.command
+    for key in ('bench_steps', 'bench_warmup'):
+      value = sweep.settings(point)[1].get(key)
+      if value is not None and (command != 'bench' or isinstance(value, bool)
+                                or not isinstance(value, int) or value < (key == 'bench_steps')):
+        raise SweepError(f'point {point.name}: {key}={value!r}; it is a whole number (steps at '
+                         f'least 1, warm-up at least 0) for command bench only')
     try:
       checks.model_spec(config)
       if command == 'plan':

@@ -129,3 +129,22 @@ def test_the_plan_keeps_an_fp32_master_unless_pure_bf16_is_allowed():
   assert note and 'kept an fp32 master' in note and '--plan_allow_pure_bf16' in note
   pure = min((c for c in candidates if not keeps_fp32_update(c)), key=lambda c: c.seconds['total'])
   assert 'updates bf16 weights directly' in tradeoff(pure, candidates, budget)
+
+
+def test_a_frozen_base_is_costed_without_weight_gradients():
+  """LoRA's step runs the forward pass and the gradient of each matmul's input, not of its weight:
+  4 FLOPs per weight instead of 6; full remat adds one forward pass (2 per weight) either way."""
+  from configs import finetune
+  from plan.cost import Recipe
+  from train.checks import model_config
+  target = parse_target('1xH100-80GB')
+  full, lora = default.get_config('7b'), finetune.finetune_config('lora', '7b')
+  cfg, seq = model_config(full), full.train.seq_len
+  n, attention = cfg.matmul_params, cfg.flops_per_token(seq) - 6 * cfg.matmul_params
+  assert cfg.flops_per_token(seq, base_trains=False) == 4 * n + attention
+  for remat, recomputed in (('none', 0), ('full', 2 * n + attention / 3)):
+    recipe = Recipe('bf16_mixed', 32, 0, 1, remat, 1)
+    ratio = (evaluate(lora, recipe, target).seconds['compute']
+             / evaluate(full, recipe, target).seconds['compute'])
+    assert ratio == pytest.approx((4 * n + attention + recomputed) / (6 * n + attention + recomputed),
+                                  rel=1e-12)

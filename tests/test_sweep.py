@@ -95,6 +95,7 @@ def test_bad_sweep_files_are_refused_in_one_line(tmp_path, body, message):
     ("axis('train.steps', ['ten'])", r"point steps=ten: train.steps='ten': "),
     ("axis('mesh.data', [3])", r"point data=3: mesh \{.*\} cannot fill 8 devices"),
     ("axis('precision', ['fp64'])", "point precision=fp64: .*fp64"),
+    ("axis('bench_steps', [5])", "point bench_steps=5: bench_steps=5; .* for command bench only"),
 ])
 def test_a_point_the_config_checks_refuse_stops_the_sweep_before_it_runs(tmp_path, point, message):
   path = _sweep_file(tmp_path, f"""

@@ -1,0 +1,133 @@
+"""The GPU suite (bench/gpu.py): its smoke mode end to end on this machine's CPU (the cases as a
+sweep, the claim planned and run, the results written, a re-run resuming), and the parts that only
+judge a GPU's figures (the goals, the cost model's calibration) on figures made up for the test."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import gpu
+from configs.hardware import GPUS
+from plan.cost import MFU_ASSUMED, Recipe, step_seconds
+from plan.target import Target
+from precision.policy import get_policy
+from sweep.metrics import METRICS, PointFiles
+from tests.helpers import tiny_config
+from train.checks import model_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = '^1b_bf16_mixed$|7b_qlora'   # one full-training and one QLoRA case keep the test short
+
+
+def _suite(workdir, out_dir):
+  return subprocess.run([sys.executable, '-m', 'bench.gpu', '--smoke', f'--only={CASES}',
+                         f'--workdir={workdir}', f'--out_dir={out_dir}'], cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
+
+
+def test_the_smoke_suite_measures_plans_and_runs_the_claim_then_resumes(tmp_path):
+  done = _suite(tmp_path / 'w', tmp_path / 'out')
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  with open(tmp_path / 'out' / 'gpu-cpu-smoke.json') as f:
+    results = json.load(f)
+  assert results['device']['platform'] == 'cpu' and results['smoke']
+  cases = {row['case']: row for row in results['cases']}
+  assert len(cases) == 9   # every case is listed; the two asked for ran
+  assert {name for name, row in cases.items() if row['status'] == 'done'} == {
+      '1b_bf16_mixed', '7b_qlora'}
+  for name in ('1b_bf16_mixed', '7b_qlora'):
+    row = cases[name]
+    for key in ('step_ms', 'tokens_per_sec', 'mfu', 'compiled_gb', 'estimate_gpu_gb',
+                'modelled_step_s', 'params_m', 'trainable_m'):
+      assert row[key] > 0, (name, key, row)
+    # A CPU has no datasheet peak and reports no allocator peak: those stay empty, not invented.
+    for key in ('mfu_peak', 'peak_gb', 'peak_vs_estimate', 'modelled_vs_measured',
+                'calibrated_mfu'):
+      assert row[key] is None, (name, key, row)
+    assert row['attention'] == 'flash'
+  assert cases['7b_qlora']['trainable_m'] < cases['1b_bf16_mixed']['trainable_m'] / 10
+  assert [g['verdict'] for g in results['goals']] == ['no figure', 'no figure', 'no figure']
+  claim = results['claim']
+  assert claim['status'] == 'done' and claim['memory_fraction'] is None
+  assert claim['plan']['recipe'].startswith('bf16') and os.path.isfile(claim['plan']['config'])
+  assert claim['bench']['steps'] == 2 and claim['bench']['lora_rank'] > 0
+  with open(tmp_path / 'out' / 'gpu-cpu-smoke.md') as f:
+    text = f.read()
+  for heading in ('## Goals', '## Cases', '## The cost model against the measurements',
+                  '## The claim'):
+    assert heading in text
+  # The same command again: nothing runs twice (every case and the claim keep their one attempt).
+  again = _suite(tmp_path / 'w', tmp_path / 'out')
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert '0 to run' in again.stdout
+  for log in (tmp_path / 'w' / 'cases' / 'runs' / 'case=7b_qlora' / 'log.txt',
+              tmp_path / 'w' / 'claim' / 'log.txt'):
+    attempts = log.read_text().count('\n=== ')
+    assert attempts == (1 if 'cases' in str(log) else 2), log   # the claim: its plan and its run
+
+
+def test_a_case_pattern_that_matches_nothing_is_refused_before_anything_runs(tmp_path):
+  done = subprocess.run([sys.executable, '-m', 'bench.gpu', '--smoke', '--only=70b',
+                         f'--workdir={tmp_path / "w"}', f'--out_dir={tmp_path / "out"}'],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode != 0
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "error: --only='70b' matches none of the cases: 1b_bf16_mixed, ")
+  assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()
+
+
+def _row(step_ms, mfu_peak=None, peak_vs_estimate=None):
+  return {'status': 'done', 'step_ms': step_ms, 'mfu_peak': mfu_peak,
+          'peak_vs_estimate': peak_vs_estimate}
+
+
+def test_the_goals_are_judged_on_a_gpu_and_only_there():
+  rows = {'1b_bf16_mixed': _row(100.0, 0.52, 1.04), '1b_fp8': _row(80.0, 0.65, 0.93),
+          '7b_lora': _row(300.0, 0.3, 1.12)}
+  mfu, fp8, peak = gpu.goals(rows, 'gpu')
+  assert (mfu['value'], mfu['verdict']) == (0.52, 'pass')
+  assert fp8['value'] == pytest.approx(1.25) and fp8['verdict'] == 'FAIL'   # 100 / 80 < 1.3
+  assert (peak['worst_case'], peak['verdict']) == ('7b_lora', 'FAIL')        # 12 % above
+  rows['7b_lora'] = _row(300.0, 0.3, 1.08)
+  assert gpu.goals(rows, 'gpu')[2]['verdict'] == 'pass'
+  assert {g['verdict'] for g in gpu.goals(rows, 'cpu')} == {'not judged (cpu)'}
+  assert [g['verdict'] for g in gpu.goals({}, 'gpu')] == ['no figure'] * 3
+
+
+def _bench_point(tmp_path, device_kind, config, step_seconds_measured):
+  """A finished bench point's workdir, as bench.train_step writes it, with made-up timings."""
+  bench = {'device_kind': device_kind, 'mesh': {'stage': 1, 'data': 1, 'fsdp': 1, 'tensor': 1},
+           'step_seconds': step_seconds_measured,
+           'tokens_per_sec': config.train.batch_size * config.train.seq_len / step_seconds_measured,
+           'mfu': 0.1, 'peak_device_bytes': 11e9, 'estimate_gpu_bytes': {'total': 10e9}}
+  workdir = tmp_path / device_kind.replace(' ', '_')
+  workdir.mkdir()
+  (workdir / 'bench.json').write_text(json.dumps(bench))
+  return PointFiles(str(workdir), 'H100-80GB', config)
+
+
+def test_the_cost_model_is_compared_with_a_step_measured_on_its_own_gpu(tmp_path):
+  config = tiny_config(**{'precision': 'bf16_mixed', 'model.remat': 'full'})
+  cfg, train = model_config(config), config.train
+  seconds = step_seconds(cfg, Recipe('bf16_mixed', 32, 0, 1, 'full', 1), train.batch_size,
+                         train.seq_len, Target(1, 'H100-80GB', **GPUS['H100-80GB']),
+                         get_policy('bf16_mixed'))
+  measured = 3 * seconds['total']
+  on_h100 = _bench_point(tmp_path, 'NVIDIA H100 80GB HBM3', config, measured)
+  assert METRICS['modelled_vs_measured'].read(on_h100) == pytest.approx(1 / 3)
+  # One GPU: the optimizer is the only part the compute's MFU does not scale.
+  expected = MFU_ASSUMED * seconds['compute'] / (measured - seconds['optimizer'])
+  assert METRICS['calibrated_mfu'].read(on_h100) == pytest.approx(expected)
+  assert METRICS['peak_vs_estimate'].read(on_h100) == pytest.approx(1.1)
+  flops = cfg.flops_per_token(train.seq_len) * train.batch_size * train.seq_len / measured
+  assert METRICS['mfu_peak'].read(on_h100) == pytest.approx(flops / GPUS['H100-80GB']['peak_bf16'])
+  on_cpu = _bench_point(tmp_path, 'cpu', config, measured)
+  for metric in ('modelled_vs_measured', 'calibrated_mfu', 'mfu_peak'):
+    assert METRICS[metric].read(on_cpu) is None
+
+
+def test_the_results_are_named_after_the_device():
+  assert gpu.device_slug('NVIDIA H100 80GB HBM3') == 'nvidia-h100-80gb-hbm3'
+  assert gpu.device_slug('cpu') == 'cpu'
