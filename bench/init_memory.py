@@ -1,0 +1,84 @@
+"""The memory of creating a fine-tune's train state on one device, from compiled memory analyses
+(nothing is allocated): the initialiser jitted whole, against the way a run creates it
+(train/init_from.py: the rest of the state first, then the frozen base one kernel and one layer at
+a time, each layer cast or quantized and written into its stacked array in place).
+
+The peak of the second is bounded by the larger of the first piece (its outputs and temporaries)
+and the whole state plus the largest layer's float values and the temporaries of storing them.
+
+  python -m bench.init_memory                                   # LoRA and QLoRA at 7B, QLoRA at 20B
+  python -m bench.init_memory --config=configs/qlora.py:70b     # any fine-tune config(s)
+"""
+import numpy as np
+from absl import app, flags, logging
+
+_CONFIGS = flags.DEFINE_multi_string(
+    'config', ['configs/lora.py:7b', 'configs/qlora.py:7b', 'configs/qlora.py:20b'],
+    'Config file[:preset] of a fine-tune (lora.rank > 0); repeat the flag for several.')
+
+GB = 1e9
+
+
+def _bytes(tree) -> int:
+  import jax
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def init_memory(spec: str) -> dict:
+  """Compiled bytes of the whole initialiser and of the layer-by-layer pieces, on one device."""
+  import jax
+  from flax import traverse_util
+
+  import configs
+  from train import init_from
+  from train.run import setup
+  config = configs.load(spec)
+  if not config.lora.rank:
+    raise app.UsageError(f'--config={spec} trains every weight (lora.rank=0): it has no frozen '
+                         f'base, and its state is made whole')
+  config.host_devices, config.parallel.zero_stage = 0, 0
+  config.mesh = dict(stage=1, data=1, fsdp=1, tensor=1)
+  config.train.batch_size, config.train.microbatches = 1, 1
+  s = setup(config, devices=jax.devices()[:1])
+  whole = s.layout.init.lower().compile().memory_analysis()
+  leaves = [leaf for leaf in init_from.base_leaves(s) if leaf.layer is not None]
+  rest = init_from.rest_initialiser(s, leaves).lower().compile().memory_analysis()
+  kernels = {leaf.path for leaf in leaves}
+  stored = traverse_util.flatten_dict(s.layout.abstract['frozen'],
+                                      is_leaf=lambda path, _: path in kernels)
+  shardings = traverse_util.flatten_dict(s.layout.shardings['frozen'],
+                                         is_leaf=lambda path, _: path in kernels)
+  largest = 0
+  for leaf in leaves:
+    store = init_from.storer(leaf, stored[leaf.path], shardings[leaf.path],
+                             s.spec.base_format)
+    stacked = len(leaf.source.shape) > len(leaf.layer.in_features) + len(leaf.layer.out_features)
+    value = init_from.layer_of(leaf.source) if stacked else leaf.source
+    args = (stored[leaf.path], value, np.int32(0)) if stacked else (value,)
+    temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    largest = max(largest, temp + _bytes(value))
+  state = _bytes(s.layout.abstract)
+  return {'config': spec, 'state': state, 'base': s.spec.sizes()[1],
+          'whole_temp': whole.temp_size_in_bytes,
+          'rest': rest.output_size_in_bytes + rest.temp_size_in_bytes, 'largest_layer': largest,
+          'layered_peak': max(rest.output_size_in_bytes + rest.temp_size_in_bytes,
+                              state + largest)}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  print('| config | state (GB) | frozen base (GB) | whole initialiser: state + temporaries (GB) '
+        '| layer by layer: first piece (GB) | largest layer stored (GB) | layer by layer: peak '
+        'bound (GB) |')
+  print('|---|---:|---:|---:|---:|---:|---:|')
+  for spec in _CONFIGS.value:
+    m = init_memory(spec)
+    print(f'| {m["config"]} | {m["state"] / GB:.2f} | {m["base"] / GB:.2f} | '
+          f'{(m["state"] + m["whole_temp"]) / GB:,.1f} | {m["rest"] / GB:.2f} | '
+          f'{m["largest_layer"] / GB:.3f} | {m["layered_peak"] / GB:.2f} |', flush=True)
+  print('\nGB = 1e9 bytes; compiled for this machine\'s backend (XLA:CPU), one device.')
+
+
+if __name__ == '__main__':
+  app.run(main)
