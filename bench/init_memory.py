@@ -8,6 +8,12 @@ and the whole state plus the largest layer's float values and the temporaries of
 
   python -m bench.init_memory                                   # LoRA and QLoRA at 7B, QLoRA at 20B
   python -m bench.init_memory --config=configs/qlora.py:70b     # any fine-tune config(s)
+  python -m bench.init_memory --config=configs/qlora.py:20b --create   # and create it here
+
+`--create` also creates each state the way a run does, on this machine's first device, and reports
+the seconds it took and the peak memory: the device allocator's peak where the device reports one
+(a GPU), else the process's peak resident memory (a CPU: the runtime and the host allocator's
+freed-but-kept pages included).
 """
 import numpy as np
 from absl import app, flags, logging
@@ -15,6 +21,8 @@ from absl import app, flags, logging
 _CONFIGS = flags.DEFINE_multi_string(
     'config', ['configs/lora.py:7b', 'configs/qlora.py:7b', 'configs/qlora.py:20b'],
     'Config file[:preset] of a fine-tune (lora.rank > 0); repeat the flag for several.')
+_CREATE = flags.DEFINE_bool('create', False, 'Also create each state here, timed, with its peak '
+                            'memory.')
 
 GB = 1e9
 
@@ -58,27 +66,52 @@ def init_memory(spec: str) -> dict:
     temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
     largest = max(largest, temp + _bytes(value))
   state = _bytes(s.layout.abstract)
-  return {'config': spec, 'state': state, 'base': s.spec.sizes()[1],
+  created = _create(s) if _CREATE.value else {}
+  return {**created, 'config': spec, 'state': state, 'base': s.spec.sizes()[1],
           'whole_temp': whole.temp_size_in_bytes,
           'rest': rest.output_size_in_bytes + rest.temp_size_in_bytes, 'largest_layer': largest,
           'layered_peak': max(rest.output_size_in_bytes + rest.temp_size_in_bytes,
                               state + largest)}
 
 
+def _create(s) -> dict:
+  """Creates the state as a run does (init_from.fresh_state); its seconds and peak bytes."""
+  import resource
+  import time
+
+  import jax
+
+  from memory.compiled import peak_device_memory
+  from train import init_from
+  start = time.perf_counter()
+  jax.block_until_ready(init_from.fresh_state(s))
+  seconds = time.perf_counter() - start
+  peak = peak_device_memory()
+  if peak is None:   # ru_maxrss is in KiB on Linux
+    return {'seconds': seconds, 'resident_peak': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  return {'seconds': seconds, 'device_peak': peak}
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  created = ' | created here in (s) | peak here (GB) |' if _CREATE.value else ' |'
   print('| config | state (GB) | frozen base (GB) | whole initialiser: state + temporaries (GB) '
         '| layer by layer: first piece (GB) | largest layer stored (GB) | layer by layer: peak '
-        'bound (GB) |')
-  print('|---|---:|---:|---:|---:|---:|---:|')
+        'bound (GB)' + created)
+  print('|---|---:|---:|---:|---:|---:|---:|' + ('---:|---:|' if _CREATE.value else ''))
   for spec in _CONFIGS.value:
     m = init_memory(spec)
-    print(f'| {m["config"]} | {m["state"] / GB:.2f} | {m["base"] / GB:.2f} | '
-          f'{(m["state"] + m["whole_temp"]) / GB:,.1f} | {m["rest"] / GB:.2f} | '
-          f'{m["largest_layer"] / GB:.3f} | {m["layered_peak"] / GB:.2f} |', flush=True)
-  print('\nGB = 1e9 bytes; compiled for this machine\'s backend (XLA:CPU), one device.')
-
+    row = (f'| {m["config"]} | {m["state"] / GB:.2f} | {m["base"] / GB:.2f} | '
+           f'{(m["state"] + m["whole_temp"]) / GB:,.1f} | {m["rest"] / GB:.2f} | '
+           f'{m["largest_layer"] / GB:.3f} | {m["layered_peak"] / GB:.2f} |')
+    if _CREATE.value:
+      row += f' {m["seconds"]:.0f} | {m.get("device_peak", m.get("resident_peak")) / GB:.2f} |'
+    print(row, flush=True)
+  print('\nGB = 1e9 bytes; compiled for this machine\'s backend (XLA:CPU), one device.'
+        + (' Peak here: the device allocator\'s peak where the device reports one, else the '
+           'process\'s peak resident memory (the runtime and pages the host allocator keeps '
+           'included).' if _CREATE.value else ''))
 
 if __name__ == '__main__':
   app.run(main)

@@ -26,7 +26,9 @@ def compile_total(config, devices: int) -> int | str:
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, 'candidate.py')
     write_config(path, config, 'A plan candidate.')
-    env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3'}   # XLA's partitioner warnings, not ours
+    # XLA's partitioner warnings are not ours; and the compile is for simulated CPU devices even on
+    # a machine with accelerators (whose count is not the target's).
+    env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3', 'JAX_PLATFORMS': 'cpu'}
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={path}', '--dry_run',
          f'--host_devices={devices}', f'--workdir={os.path.join(tmp, "w")}'],

@@ -7,7 +7,10 @@ every attention, timed by bench.train_step, one process per case.
 
 The argument is the GPU the modelled columns refer to (configs/hardware.py; bench.gpu passes the
 device's own), or `smoke`: the tiny preset at 8 x 64 tokens, a few steps, no cuDNN case, so that
-the plumbing runs on a CPU in about a minute.
+the plumbing runs on a CPU in about a minute, or `dry_run`: the full-size cases compiled on this
+machine's CPU (nothing allocated), for their compiled figures and estimates before a GPU is at hand:
+
+  python -m sweep --sweep=sweeps/gpu.py:dry_run --workdir=runs/gpu-dry-run
 
 Shapes (one device): the 1b preset (Llama-3.2-1B, 1.5 B parameters with its 128k vocabulary) at 8
 sequences of 2048 tokens, remat `dots` (the matmul outputs kept, the rest recomputed: the policy
@@ -59,6 +62,12 @@ def cases(smoke: bool) -> dict:
 
 def get_sweep(arg: str | None = None):
   smoke = arg == 'smoke'
+  if arg == 'dry_run':
+    return dict(title='GPU suite cases compiled on this machine (dry runs, nothing allocated)',
+                command='dry_run', config='configs/default.py',
+                points=choices('case', cases(smoke=False)),
+                metrics=('compiled_gb', 'estimate_gb', 'estimate_gpu_gb', 'params_m', 'trainable_m',
+                         'wall_s'))
   return dict(
       title=('GPU suite (smoke: tiny shapes)' if smoke else 'GPU suite') + ': step time, MFU and '
             'peak memory against the estimate, per recipe and attention',

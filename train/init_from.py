@@ -22,6 +22,7 @@ values the whole initialiser would have drawn; the base's other weights (norm sc
 are the initialiser's own.
 """
 import dataclasses
+import functools
 import json
 import os
 import zlib
@@ -251,8 +252,8 @@ def initial_state(s, source: Source) -> dict:
   for leaf in leaves:
     store = storer(leaf, stored[leaf.path], shardings[leaf.path], spec.base_format)
     if _stacked(leaf):   # one layer at a time, written into the stacked array in place
-      value = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stored[leaf.path]),
-                      out_shardings=shardings[leaf.path])()
+      value = jax.tree.map(lambda a, where: jnp.zeros(a.shape, a.dtype, device=where),
+                           stored[leaf.path], shardings[leaf.path])
       for index in range(leaf.source.shape[0]):
         value = store(value, source.read(leaf.path, leaf.source, layer=index), jnp.int32(index))
     else:
@@ -299,11 +300,22 @@ def storer(leaf: BaseLeaf, stored, sharding, base_format: str | None):
   one layer, its index) and writes the layer in place (the array is donated), so only one layer is
   ever in floats beside what is already stored; otherwise it takes the whole weight."""
   n_in = len(leaf.layer.in_features) if leaf.layer is not None else 0
-  if leaf.quantized:   # QLoRA: quantized as soon as it is on the devices
+  if isinstance(sharding, dict):   # quantized parts: a hashable key for the cache
+    sharding = tuple(sorted(sharding.items()))
+  return _storer(base_format if leaf.quantized else None, n_in,
+                 None if leaf.quantized else jnp.dtype(stored.dtype), _stacked(leaf), sharding)
+
+
+@functools.cache
+def _storer(base_format: str | None, n_in: int, dtype, stacked: bool, sharding):
+  """storer's jitted function, one per kind of weight (the same layer shapes and placement
+  recompile nothing, in one run or the next)."""
+  sharding = dict(sharding) if isinstance(sharding, tuple) else sharding
+  if base_format:   # QLoRA: quantized as soon as it is on the devices
     store = lambda w: quantize_parts(w, base_format, n_in, stacked=False)
   else:
-    store = lambda w: w.astype(stored.dtype)
-  if not _stacked(leaf):
+    store = lambda w: w.astype(dtype)
+  if not stacked:
     return jax.jit(store, out_shardings=sharding)
 
   def write(whole, w, index):
@@ -313,27 +325,27 @@ def storer(leaf: BaseLeaf, stored, sharding, base_format: str | None):
   return jax.jit(write, out_shardings=sharding, donate_argnums=0)
 
 
+@functools.cache
+def _normal(shape: tuple, dtype, sharding, std: float):
+  """Jitted: normal values with standard deviation `std` drawn in fp32 from a key, as `dtype`."""
+  return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
+                 out_shardings=sharding)
+
+
 def random_source(s) -> Source:
   """A random frozen base (LoRA, QLoRA): each dense kernel drawn one layer at a time, normal with
   its Dense's init_std in fp32 (as the initialiser draws it) from keys of the run's seed, the
   kernel's path and the layer."""
   stds = {leaf.path: leaf.layer.init_std for leaf in base_leaves(s) if leaf.layer is not None}
   seed = s.spec.seed
-  draws = {}
-
-  def draw(path, abstract):   # jitted once per kernel, called once per layer
-    if path not in draws:
-      std = stds[path]
-      draws[path] = jax.jit(
-          lambda key: (jax.random.normal(key, abstract.shape, jnp.float32) * std).astype(
-              abstract.dtype), out_shardings=abstract.sharding)
-    return draws[path]
 
   def read(path, abstract, layer=None):
     key = jax.random.fold_in(jax.random.key(seed), zlib.crc32('/'.join(path).encode()))
     if layer is not None:
       abstract, key = layer_of(abstract), jax.random.fold_in(key, layer)
-    return draw(path, abstract)(key)
+    draw = _normal(tuple(abstract.shape), jnp.dtype(abstract.dtype), abstract.sharding,
+                   float(stds[path]))
+    return draw(key)
 
   def check(path, shape):
     if path not in stds:
