@@ -30,6 +30,7 @@ import sys
 
 from absl import app, flags
 
+from bench.gpu_memory import card_environment, with_fraction
 from bench.gpu_report import device_slug, goals, markdown, planner_summary
 
 _SMOKE = flags.DEFINE_bool('smoke', False, 'Tiny shapes and few steps, on any machine (CI runs it '
@@ -41,7 +42,8 @@ _ONLY = flags.DEFINE_string('only', None, 'Run only the cases whose name matches
 _CLAIM = flags.DEFINE_bool('claim', True, 'Run the 20B-on-24GB claim too.')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The claim: the model, its step and the card (`--smoke`: the tiny preset on a card it fits).
+# The claim: the model, its step and the card (`--smoke`: the tiny preset planned for a tiny card,
+# run without a memory limit: a smoke run checks the plumbing).
 CLAIM = {False: dict(config='configs/qlora.py:20b', batch_size=4, seq_len=1024,
                      target='1xRTX4090-24GB', steps=3),
          True: dict(config='configs/qlora.py:tiny', batch_size=4, seq_len=64, target='1x0.02GB',
@@ -56,7 +58,7 @@ PROBE = ('import json, jax; d = jax.devices()[0]; s = d.memory_stats() or {}; '
 def probe_device() -> dict:
   """What the accelerator is, asked in a child process (with the allocator allowed the whole
   device, so that `bytes_limit` is what the device has)."""
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false', XLA_PYTHON_CLIENT_MEM_FRACTION='1.0')
+  env = dict(with_fraction(os.environ, '1.0'), XLA_PYTHON_CLIENT_PREALLOCATE='false')
   done = subprocess.run([sys.executable, '-c', PROBE], cwd=ROOT, env=env, capture_output=True,
                         text=True)
   lines = done.stdout.strip().splitlines()
@@ -107,7 +109,7 @@ def run_claim(directory: str, smoke: bool, device: dict) -> dict:
   os.makedirs(directory, exist_ok=True)
   log = os.path.join(directory, 'log.txt')
   plan_dir = os.path.join(directory, 'plan')
-  out = {'config': claim['config'], 'batch_size': claim['batch_size'],
+  out = {'smoke': smoke, 'config': claim['config'], 'batch_size': claim['batch_size'],
          'seq_len': claim['seq_len'], 'target': claim['target'], 'card_bytes': target.memory,
          'log': log}
   if _read_json(os.path.join(plan_dir, 'plan.json')) is None:
@@ -124,12 +126,12 @@ def run_claim(directory: str, smoke: bool, device: dict) -> dict:
   plan = _read_json(os.path.join(plan_dir, 'plan.json'))
   out['plan'] = plan
   bench_path = os.path.join(directory, 'bench.json')
-  env = dict(os.environ)
-  limited = device['platform'] != 'cpu' and device.get('bytes_limit')
-  if limited:   # this process's allocator gets the card's memory and no more
-    env['XLA_PYTHON_CLIENT_MEM_FRACTION'] = f'{min(target.memory / device["bytes_limit"], 1.0):.4f}'
-    env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'true'
-  out['memory_fraction'] = env.get('XLA_PYTHON_CLIENT_MEM_FRACTION') if limited else None
+  env, out['memory_fraction'] = dict(os.environ), None
+  if not smoke and device['platform'] != 'cpu':   # its allocator gets the card's memory, no more
+    try:
+      env, out['memory_fraction'] = card_environment(os.environ, device, target.memory)
+    except ValueError as e:
+      return {**out, 'status': 'not run', 'error': str(e)}
   if _read_json(bench_path) is None:
     code, error = _run_logged(
         [sys.executable, '-m', 'bench.train_step', f'--config={plan["config"]}',
@@ -173,12 +175,16 @@ def main(argv):
   from train.workdir_lock import WorkdirBusy, workdir_lock
 
   device = probe_device()
-  # The cases may use the device as a run that has it to itself would (JAX's default leaves a
-  # quarter of it unused); the claim sets its own limit.
-  os.environ.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', CASE_MEMORY_FRACTION)
   smoke = _SMOKE.value
+  if device['platform'] == 'cpu' and not smoke:
+    sys.exit('error: JAX sees no accelerator here (platform cpu): the full-size cases are for a '
+             'GPU; run with --smoke to check the plumbing on a CPU')
+  # The cases may use the device as a run that has it to itself would (JAX's default leaves a
+  # quarter of it unused), unless the environment says otherwise; the claim sets its own limit.
+  os.environ.update(with_fraction(os.environ, CASE_MEMORY_FRACTION, keep=True))
   slug = device_slug(device['device_kind'])
-  directory = _WORKDIR.value or os.path.join('runs', f'gpu-{slug}{"-smoke" if smoke else ""}')
+  directory = os.path.abspath(
+      _WORKDIR.value or os.path.join('runs', f'gpu-{slug}{"-smoke" if smoke else ""}'))
   target = DEVICE_KINDS.get(device['device_kind'])
   sweep_spec = 'sweeps/gpu.py:' + ('smoke' if smoke else target or 'H100-80GB')
   command = ' '.join(['python -m bench.gpu', *map(shlex.quote, sys.argv[1:])])

@@ -75,7 +75,7 @@ def markdown(results: dict) -> str:
            f'`{results["command"]}` on {results["date"]}: {device["count"]} x '
            f'{device["device_kind"]} ({device["platform"]}), jax {device["jax"]}'
            + ('' if device.get('bytes_limit') is None else
-              f', {device["bytes_limit"] / GB:.1f} GB usable per device') + '.'
+              f', {device["bytes_limit"] / GB:.1f} GB on the device') + '.'
            + (' **Smoke run: tiny shapes, the figures say nothing about speed.**'
               if results['smoke'] else ''), '',
            '## Goals', '', '| goal | measured | verdict |', '|---|---:|---|']
@@ -126,20 +126,26 @@ def claim_lines(claim: dict, device: dict) -> list[str]:
               f'{plan["step_seconds"]:.2f} s per step.' if plan else '.')]
   bench = claim.get('bench') or {}
   reported = bench.get('device_bytes_limit')
-  limit = (f'the allocator limited to the card\'s {claim["card_bytes"] / GB:.0f} GB '
-           f'(XLA_PYTHON_CLIENT_MEM_FRACTION={claim["memory_fraction"]}'
-           + (f': {reported / GB:.2f} GB as the device reports it' if reported else '') + ')'
-           if claim.get('memory_fraction') else
-           f'no memory limit (a {device["platform"]} has no allocator to limit)')
+  if claim.get('memory_fraction'):
+    limit = (f'the allocator limited to the card\'s {claim["card_bytes"] / GB:.0f} GB (memory '
+             f'fraction {claim["memory_fraction"]}'
+             + (f': {reported / GB:.2f} GB as the device reports it' if reported else '') + ')')
+  else:
+    limit = ('no memory limit (' + ('a smoke run' if claim.get('smoke') else
+                                    f'a {device["platform"]} has no allocator to limit') + ')')
   if claim['status'] == 'done':
     peak = bench.get('peak_device_bytes')
     estimate = bench['estimate_gpu_bytes']['total']
     lines.append(f'Ran {bench["steps"]} steps with {limit}: {bench["step_seconds"]:.2f} s per step, '
                  f'{bench["tokens_per_sec"]:,.0f} tokens/s, loss {bench["loss"]:.3f} nats/token; '
                  + (f'peak {peak / GB:.2f} GB of {claim["card_bytes"] / GB:.0f} GB: it fits '
-                    f'(GPU estimate {estimate / GB:.2f} GB, peak ÷ estimate '
-                    f'{peak / estimate:.3f}).' if peak is not None else
+                    f'(GPU estimate {estimate / GB:.2f} GB, peak ÷ estimate {peak / estimate:.3f}; '
+                    f'the peak is the allocator\'s, the CUDA context and libraries are outside '
+                    f'it, as they are beside the 24 GiB, 25.8e9 bytes, of an RTX 4090).'
+                    if peak is not None else
                     f'no peak reported (GPU estimate {estimate / GB:.2f} GB).'))
+  elif claim['status'] == 'not run':
+    lines.append(f'Not run: {claim.get("error", "")}.')
   else:
     lines.append(f'{claim["status"]} with {limit}: {claim.get("error", "")} (log: {claim["log"]}).')
   return lines

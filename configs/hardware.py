@@ -13,7 +13,7 @@ Sources (the dense figures; datasheets print twice as much "with sparsity"):
   H200-141GB      NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOPS bf16; 4.8 TB/s
   L40S-48GB       NVIDIA L40S datasheet: 362 TFLOPS bf16; 864 GB/s; PCIe Gen4 x16
   RTX4090-24GB    NVIDIA Ada Lovelace architecture whitepaper, appendix A: 165 TFLOPS bf16 with
-                  fp32 accumulation (330 with fp16 accumulation); 1,008 GB/s; PCIe Gen4 x16
+                  fp32 accumulation (fp16 with fp16 accumulation: 330); 1,008 GB/s; PCIe Gen4 x16
 MFU here is always against peak_bf16, for fp8 and int8 matmuls too (their own peak is twice it on
 H100 and H200): a faster format shows as a higher MFU, as torchtitan and MaxText report it.
 """

@@ -12,7 +12,7 @@ machine's CPU (nothing allocated), for their compiled figures and estimates befo
 
   python -m sweep --sweep=sweeps/gpu.py:dry_run --workdir=runs/gpu-dry-run
 
-Shapes (one device): the 1b preset (Llama-3.2-1B, 1.5 B parameters with its 128k vocabulary) at 8
+Shapes (one device): the 1b preset (Llama-3.2-1B, 1.24 B parameters with its 128k vocabulary) at 8
 sequences of 2048 tokens, remat `dots` (the matmul outputs kept, the rest recomputed: the policy
 MaxText's published MFU runs use), one microbatch; the 7b preset with LoRA and QLoRA (NF4) at 8 x
 2048, full remat. Rows are single documents (no packing): the attentions run their plain causal

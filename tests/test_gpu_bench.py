@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import gpu_report
+from bench import gpu_memory, gpu_report
 from configs.hardware import GPUS
 from plan.cost import MFU_ASSUMED, Recipe, step_seconds
 from plan.target import Target
@@ -67,13 +67,20 @@ def test_the_smoke_suite_measures_plans_and_runs_the_claim_then_resumes(tmp_path
     assert attempts == (1 if 'cases' in str(log) else 2), log   # the claim: its plan and its run
 
 
-def test_a_case_pattern_that_matches_nothing_is_refused_before_anything_runs(tmp_path):
+def test_a_pattern_that_matches_nothing_and_a_cpu_without_smoke_are_refused(tmp_path):
   done = subprocess.run([sys.executable, '-m', 'bench.gpu', '--smoke', '--only=70b',
                          f'--workdir={tmp_path / "w"}', f'--out_dir={tmp_path / "out"}'],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode != 0
   assert done.stderr.strip().splitlines()[-1].startswith(
       "error: --only='70b' matches none of the cases: 1b_bf16_mixed, ")
+  assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()
+  # Without --smoke the full-size cases are for an accelerator: refused on a CPU.
+  done = subprocess.run([sys.executable, '-m', 'bench.gpu', f'--workdir={tmp_path / "w"}',
+                         f'--out_dir={tmp_path / "out"}'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode != 0
+  assert done.stderr.strip().splitlines()[-1].startswith('error: JAX sees no accelerator here')
   assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()
 
 
@@ -155,11 +162,28 @@ def test_a_gpu_run_reports_its_goals_calibration_and_claim():
   text = gpu_report.markdown(results)
   assert '| 48.0% | FAIL |' in text and '| 1.429 | pass |' in text   # 100 / 70 >= 1.3
   assert 'would need to match the cases without quantized matmuls or a frozen base here: 35.0%' in text
-  assert ('the allocator limited to the card\'s 24 GB (XLA_PYTHON_CLIENT_MEM_FRACTION=0.3015: '
-          '24.00 GB as the device reports it)') in text
-  assert 'peak 18.90 GB of 24 GB: it fits (GPU estimate 17.60 GB, peak ÷ estimate 1.074)' in text
+  assert ('the allocator limited to the card\'s 24 GB (memory fraction 0.3015: 24.00 GB as the '
+          'device reports it)') in text
+  assert 'peak 18.90 GB of 24 GB: it fits (GPU estimate 17.60 GB, peak ÷ estimate 1.074;' in text
   out_of_memory = {**claim, 'status': 'failed', 'bench': None,
                    'error': 'RESOURCE_EXHAUSTED: Out of memory allocating 1.2GiB'}
   text = gpu_report.markdown({**results, 'claim': out_of_memory})
   assert 'failed with the allocator limited to the card\'s 24 GB' in text
   assert 'RESOURCE_EXHAUSTED: Out of memory allocating 1.2GiB (log: claim/log.txt)' in text
+
+
+def test_the_claims_card_is_a_fraction_of_the_device_rounded_down():
+  h100 = {'device_kind': 'NVIDIA H100 80GB HBM3', 'bytes_limit': 84.9e9}
+  env, fraction = gpu_memory.card_environment({'PATH': '/bin'}, h100, 24e9)
+  assert env['XLA_PYTHON_CLIENT_MEM_FRACTION'] == fraction == '0.282685'   # 0.2826855... down
+  assert float(fraction) * h100['bytes_limit'] <= 24e9 and env['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'true'
+  assert env['PATH'] == '/bin'
+  # An environment that uses the newer variable gets it, and never both (jaxlib refuses the pair).
+  env, _ = gpu_memory.card_environment({'XLA_CLIENT_MEM_FRACTION': '0.9'}, h100, 24e9)
+  assert env['XLA_CLIENT_MEM_FRACTION'] == '0.282685' and 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in env
+  assert gpu_memory.with_fraction({'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.5'}, '0.95', keep=True)[
+      'XLA_PYTHON_CLIENT_MEM_FRACTION'] == '0.5'
+  with pytest.raises(ValueError, match=r'card \(141.0 GB\) is larger than the NVIDIA H100'):
+    gpu_memory.card_environment({}, h100, 141e9)
+  with pytest.raises(ValueError, match='reports no memory limit'):
+    gpu_memory.card_environment({}, {'device_kind': 'NVIDIA H100 80GB HBM3'}, 24e9)

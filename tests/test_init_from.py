@@ -227,14 +227,19 @@ def test_a_random_frozen_base_is_drawn_per_layer_with_each_kernels_init_std():
       assert not np.array_equal(layers[0], layers[1])   # each layer its own draw
 
 
-def test_a_random_quantized_base_is_the_same_on_every_mesh_and_trains():
+@pytest.mark.parametrize('layout', [
+    {'mesh.data': 1, 'mesh.fsdp': 8, 'parallel.zero_stage': 3},
+    # Two pipeline stages: the layers axis itself is split, each layer written into its stage.
+    {'mesh.stage': 2, 'mesh.data': 1, 'mesh.fsdp': 4, 'parallel.zero_stage': 3,
+     'parallel.pipeline_microbatches': 2},
+])
+def test_a_random_quantized_base_is_the_same_on_every_mesh_and_trains(layout):
   one, _ = _setup(tiny_config(**QLORA), devices=1)
-  sharded, _ = _setup(tiny_config(**QLORA, **{'mesh.data': 1, 'mesh.fsdp': 8,
-                                              'parallel.zero_stage': 3}))
+  sharded, _ = _setup(tiny_config(**QLORA, **layout))
   a, b = init_from.fresh_state(one), init_from.fresh_state(sharded)
   _leaves_equal(a['frozen'], b['frozen'])
   codes = b['frozen']['blocks']['mlp']['up']['kernel']['codes']
-  assert not codes.sharding.is_fully_replicated   # the quantized base is sharded under ZeRO-3
+  assert not codes.sharding.is_fully_replicated   # the quantized base is sharded
   batch = {k: jax.device_put(v, sharded.batch_sharding) for k, v in {
       'inputs': random_tokens((8, 64)), 'targets': random_tokens((8, 64), 1),
       'segments': np.ones((8, 64), np.int32)}.items()}
@@ -244,17 +249,15 @@ def test_a_random_quantized_base_is_the_same_on_every_mesh_and_trains():
 
 
 def test_a_random_base_is_never_drawn_whole_in_floats():
-  """At the 7B preset a QLoRA base is 3.7 GB of NF4; the initialiser jitted whole holds some 130 GB
-  of temporaries (XLA draws every layer of every kernel at once). Drawn by the random source,
-  the rest of the state compiles to less than the base, and each layer's quantize-and-write to at
-  most two fp32 copies of that layer."""
+  """At the 7B preset a QLoRA base is 3.7 GB of NF4 (the initialiser jitted whole held some 130 GB
+  of temporaries on XLA:CPU: bench.init_memory). Drawn by the random source, the rest of the state
+  compiles to less than the base, and each layer's quantize-and-write to at most two fp32 copies
+  of that layer."""
   config = finetune.finetune_config('qlora', '7b')
   config.mesh, config.parallel.zero_stage, config.host_devices = dict(data=1, fsdp=1), 0, 0
   config.train.batch_size, config.train.microbatches = 1, 1
   s, _ = _setup(config, devices=1)
   _, base_bytes = s.spec.sizes()
-  whole = s.layout.init.lower().compile().memory_analysis().temp_size_in_bytes
-  assert whole > 10 * base_bytes
   leaves = [leaf for leaf in init_from.base_leaves(s) if leaf.layer is not None]
   rest = init_from.rest_initialiser(s, leaves).lower().compile().memory_analysis()
   assert rest.temp_size_in_bytes < base_bytes

@@ -30,6 +30,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
@@ -50,14 +51,16 @@ class InitError(ValueError):
 
 @dataclasses.dataclass
 class Source:
-  """Base weights by parameter path: `read(path, abstract, layer=None)` returns the array, placed
-  as `abstract` (a ShapeDtypeStruct with a sharding) says, or with `layer` only that layer of a
-  stacked one, placed as `layer_of(abstract)`; `check(path, shape)` raises InitError naming the
-  tensor and both shapes where they differ, reading no tensor data. `kernels_only`: the source
-  holds the dense kernels only (a random base); the other base weights are the initialiser's."""
+  """Base weights by parameter path. `reader(path, abstract)` returns a function that reads that
+  weight placed as `abstract` (a ShapeDtypeStruct with a sharding) says: called with no argument,
+  the whole array; with a layer index, that layer of a stacked one, placed as `layer_of(abstract)`.
+  Whatever it holds to read the layers (a host copy of the tensor) is freed with it.
+  `check(path, shape)` raises InitError naming the tensor and both shapes where they differ,
+  reading no tensor data. `kernels_only`: the source holds the dense kernels only (a random base);
+  the other base weights are the initialiser's."""
   description: str
   model_fields: dict
-  read: Callable[..., jax.Array]
+  reader: Callable[[tuple, jax.ShapeDtypeStruct], Callable[..., jax.Array]]
   check: Callable[[tuple, tuple], None]
   kernels_only: bool = False
 
@@ -71,19 +74,12 @@ def layer_of(abstract: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
                               sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
 
 
-def _last_read(read: Callable) -> Callable:
-  """`read(path, abstract)` that keeps the last tensor it read, so that reading a stacked tensor
-  layer by layer reads its file once."""
-  kept = {}
-
-  def cached(path, abstract):
-    key = (tuple(path), abstract.shape, jnp.dtype(abstract.dtype).name)
-    if key not in kept:
-      kept.clear()
-      kept[key] = read(path, abstract)
-    return kept[key]
-
-  return cached
+def _from_host(host: np.ndarray, abstract: jax.ShapeDtypeStruct, layer: int | None = None):
+  """A host array, or one layer of it, placed as `abstract` (or its layer) says; each device
+  copies only its own shard."""
+  if layer is not None:
+    host, abstract = host[layer], layer_of(abstract)
+  return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
 
 
 def open_source(config) -> Source | None:
@@ -107,19 +103,12 @@ def _hf_source(directory: str) -> Source:
   except ConvertError as e:
     raise InitError(str(e)) from None
 
-  def read_host(path, abstract):
+  def reader(path, abstract):
     try:
-      return checkpoint.read(path, abstract.shape, abstract.dtype)
+      host = checkpoint.read(path, abstract.shape, abstract.dtype)
     except ConvertError as e:
       raise InitError(str(e)) from None
-
-  read_host = _last_read(read_host)
-
-  def read(path, abstract, layer=None):
-    host = read_host(path, abstract)
-    if layer is not None:
-      host, abstract = host[layer], layer_of(abstract)
-    return jax.make_array_from_callback(abstract.shape, abstract.sharding, lambda i: host[i])
+    return functools.partial(_from_host, host, abstract)
 
   def check(path, shape):
     try:
@@ -127,7 +116,8 @@ def _hf_source(directory: str) -> Source:
     except ConvertError as e:
       raise InitError(str(e)) from None
 
-  return Source(f'{checkpoint.arch} checkpoint {os.path.abspath(directory)}', fields, read, check)
+  return Source(f'{checkpoint.arch} checkpoint {os.path.abspath(directory)}', fields, reader,
+                check)
 
 
 def _run_source(workdir: str) -> Source:
@@ -160,25 +150,21 @@ def _run_source(workdir: str) -> Source:
                       f'{tuple(shape)} in this config')
     return node
 
-  def read_whole(path, abstract):
+  def reader(path, abstract):
+    # Restored to the host (in the dtype it was saved in, then cast there), so that the devices
+    # get one layer at a time, never the whole stacked tensor in floats.
     node = check(path, abstract.shape)
-    target = jax.ShapeDtypeStruct(node.shape, node.dtype, sharding=abstract.sharding)
-    item = {'params': traverse_util.unflatten_dict({path: target})}
+    item = {'params': traverse_util.unflatten_dict({path: jax.ShapeDtypeStruct(node.shape,
+                                                                                node.dtype)})}
+    restore_args = {'params': traverse_util.unflatten_dict(
+        {path: ocp.RestoreArgs(restore_type=np.ndarray)})}
     restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True))
-    return traverse_util.flatten_dict(restored['params'])[path].astype(abstract.dtype)
+        item=item, restore_args=restore_args, partial_restore=True))
+    host = np.asarray(traverse_util.flatten_dict(restored['params'])[path]).astype(abstract.dtype)
+    return functools.partial(_from_host, host, abstract)
 
-  read_whole = _last_read(read_whole)   # restored whole once; its layers are slices of it
-
-  def read(path, abstract, layer=None):
-    whole = read_whole(path, abstract)
-    if layer is None:
-      return whole
-    one = jax.lax.dynamic_index_in_dim(whole, jnp.int32(layer), keepdims=False)
-    return jax.device_put(one, layer_of(abstract).sharding)
-
-  return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), read, check)
+  return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), reader,
+                check)
 
 
 def apply_model_fields(config, source: Source) -> None:
@@ -251,13 +237,15 @@ def initial_state(s, source: Source) -> dict:
   stored = _flat(layout.abstract[where], quantized)
   for leaf in leaves:
     store = storer(leaf, stored[leaf.path], shardings[leaf.path], spec.base_format)
+    read = source.reader(leaf.path, leaf.source)
     if _stacked(leaf):   # one layer at a time, written into the stacked array in place
-      value = jax.tree.map(lambda a, where: jnp.zeros(a.shape, a.dtype, device=where),
+      value = jax.tree.map(lambda a, where: _zeros(a.shape, jnp.dtype(a.dtype), where)(),
                            stored[leaf.path], shardings[leaf.path])
       for index in range(leaf.source.shape[0]):
-        value = store(value, source.read(leaf.path, leaf.source, layer=index), jnp.int32(index))
+        value = store(value, read(index), np.int32(index))
     else:
-      value = store(source.read(leaf.path, leaf.source))
+      value = store(read())
+    del read   # what the source held for this weight
     values[leaf.path] = value
     step_path = leaf.path[:-1] + ('step_size',)
     if leaf.layer is not None and step_path in values:   # LSQ: step sizes of the loaded kernel
@@ -326,10 +314,21 @@ def _storer(base_format: str | None, n_in: int, dtype, stacked: bool, sharding):
 
 
 @functools.cache
+def _zeros(shape: tuple, dtype, sharding):
+  """Jitted: zeros placed by `sharding` (on every process of a multi-host mesh alike)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
 def _normal(shape: tuple, dtype, sharding, std: float):
-  """Jitted: normal values with standard deviation `std` drawn in fp32 from a key, as `dtype`."""
-  return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype),
-                 out_shardings=sharding)
+  """Jitted: normal values with standard deviation `std` drawn in fp32, as `dtype`, from the key
+  of (seed, stream, layer) (numpy integers: every process passes the same, nothing is committed
+  to a local device first)."""
+  def draw(seed, stream, layer):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), layer)
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+  return jax.jit(draw, out_shardings=sharding)
 
 
 def random_source(s) -> Source:
@@ -337,21 +336,24 @@ def random_source(s) -> Source:
   its Dense's init_std in fp32 (as the initialiser draws it) from keys of the run's seed, the
   kernel's path and the layer."""
   stds = {leaf.path: leaf.layer.init_std for leaf in base_leaves(s) if leaf.layer is not None}
-  seed = s.spec.seed
+  seed = np.uint32(s.spec.seed)
 
-  def read(path, abstract, layer=None):
-    key = jax.random.fold_in(jax.random.key(seed), zlib.crc32('/'.join(path).encode()))
-    if layer is not None:
-      abstract, key = layer_of(abstract), jax.random.fold_in(key, layer)
-    draw = _normal(tuple(abstract.shape), jnp.dtype(abstract.dtype), abstract.sharding,
-                   float(stds[path]))
-    return draw(key)
+  def reader(path, abstract):
+    stream = np.uint32(zlib.crc32('/'.join(path).encode()))
+
+    def read(layer=None):
+      placed = abstract if layer is None else layer_of(abstract)
+      draw = _normal(tuple(placed.shape), jnp.dtype(placed.dtype), placed.sharding,
+                     float(stds[path]))
+      return draw(seed, stream, np.uint32(layer or 0))
+
+    return read
 
   def check(path, shape):
     if path not in stds:
       raise InitError(f'{"/".join(path)} is not a dense kernel; a random base draws kernels only')
 
-  return Source(f'random (seed {seed})', {}, read, check, kernels_only=True)
+  return Source(f'random (seed {seed})', {}, reader, check, kernels_only=True)
 
 
 def fresh_state(s, source: Source | None = None) -> dict:
