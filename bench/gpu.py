@@ -37,7 +37,8 @@ _SMOKE = flags.DEFINE_bool('smoke', False, 'Tiny shapes and few steps, on any ma
                            'on a CPU).')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where the cases and the claim run (one folder '
                                'each); default runs/gpu-<device>[-smoke]. The same one resumes.')
-_OUT_DIR = flags.DEFINE_string('out_dir', 'bench/results', 'Where gpu-<device>.json and .md go.')
+_OUT_DIR = flags.DEFINE_string('out_dir', None, 'Where gpu-<device>.json and .md go; default the '
+                               'project\'s bench/results.')
 _ONLY = flags.DEFINE_string('only', None, 'Run only the cases whose name matches this regex.')
 _CLAIM = flags.DEFINE_bool('claim', True, 'Run the 20B-on-24GB claim too.')
 
@@ -203,11 +204,12 @@ def main(argv):
     sys.exit(f'error: {e}')
   rows = {r['case']: r for r in table if r['status'] == 'done'}
   results = {'command': command, 'date': datetime.date.today().isoformat(), 'smoke': smoke,
-             'device': device, 'workdir': os.path.abspath(directory), 'cases': table,
+             'device': device, 'workdir': directory, 'cases': table,
              'goals': goals(rows, device['platform']), 'planner': planner_summary(rows),
              'claim': claim}
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  stem = os.path.join(_OUT_DIR.value, f'gpu-{slug}{"-smoke" if smoke else ""}')
+  out_dir = _OUT_DIR.value or os.path.join(ROOT, 'bench', 'results')
+  os.makedirs(out_dir, exist_ok=True)
+  stem = os.path.join(out_dir, f'gpu-{slug}{"-smoke" if smoke else ""}')
   with open(stem + '.json', 'w', encoding='utf-8') as f:
     json.dump(results, f, indent=2, default=str)
     f.write('\n')
