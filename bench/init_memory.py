@@ -18,6 +18,8 @@ freed-but-kept pages included).
 import numpy as np
 from absl import app, flags, logging
 
+from bench.quant_runs import tree_bytes
+
 _CONFIGS = flags.DEFINE_multi_string(
     'config', ['configs/lora.py:7b', 'configs/qlora.py:7b', 'configs/qlora.py:20b'],
     'Config file[:preset] of a fine-tune (lora.rank > 0); repeat the flag for several.')
@@ -25,11 +27,6 @@ _CREATE = flags.DEFINE_bool('create', False, 'Also create each state here, timed
                             'memory.')
 
 GB = 1e9
-
-
-def _bytes(tree) -> int:
-  import jax
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def init_memory(spec: str) -> dict:
@@ -64,8 +61,8 @@ def init_memory(spec: str) -> dict:
     value = init_from.layer_of(leaf.source) if stacked else leaf.source
     args = (stored[leaf.path], value, np.int32(0)) if stacked else (value,)
     temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    largest = max(largest, temp + _bytes(value))
-  state = _bytes(s.layout.abstract)
+    largest = max(largest, temp + tree_bytes(value))
+  state = tree_bytes(s.layout.abstract)
   created = _create(s) if _CREATE.value else {}
   return {**created, 'config': spec, 'state': state, 'base': s.spec.sizes()[1],
           'whole_temp': whole.temp_size_in_bytes,

@@ -16,7 +16,8 @@ def _last_eval(workdir: str) -> float:
   return [r for r in rows if 'eval_loss' in r][-1]['eval_loss']
 
 
-def _bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+  """Bytes of every array (or abstract array) in a tree."""
   import jax
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
@@ -42,8 +43,8 @@ def main(workdirs: list[str]) -> None:
     loss = _last_eval(workdir)
     print(f'| {os.path.basename(workdir.rstrip("/"))} | {s.policy.name} | {describe(s.policy.matmul)} '
           f'| {config.quant.adam_bits}-bit | {loss:.4f} '
-          f'| {_bytes(s.layout.abstract["params"]) / n:.3f} '
-          f'| {_bytes(s.layout.abstract["opt_state"]) / n:.3f} '
+          f'| {tree_bytes(s.layout.abstract["params"]) / n:.3f} '
+          f'| {tree_bytes(s.layout.abstract["opt_state"]) / n:.3f} '
           f'| {memory["per_device_bytes"]["total"] / 2**20:.1f} MiB |')
 
 
