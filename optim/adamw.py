@@ -2,6 +2,7 @@
 parameters' dtype, or in fp32 beside an fp32 master copy of 16-bit weights (optim/master.py), or in
 8 bits (optim/adam8bit.py); fp8 amax histories beside it."""
 import jax
+import jax.numpy as jnp
 import optax
 
 from optim.adam8bit import adamw_8bit
@@ -22,6 +23,22 @@ def learning_rate_schedule(train_cfg) -> optax.Schedule:
       decay_steps=max(train_cfg.steps, warmup + 1),
       end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio,
   )
+
+
+def schedule_at(opt_state, step: jax.Array):
+  """`opt_state` with the learning-rate schedule's count set to `step` (the train step).
+
+  optax keeps the schedule's own count (`ScaleByScheduleState`, in the 32- and 8-bit chains alike),
+  which moves only when an update is applied; the train step skips the update of a non-finite step
+  (train/step.py), so after k skips that count, and the rate, would be k steps behind the train
+  step, and the decay would never reach its end. Set before each update, the applied rate is
+  always the schedule of the train step. Adam's own count (its bias correction) still counts the
+  updates applied to its moments."""
+  def visit(node):
+    if isinstance(node, optax.ScaleByScheduleState):
+      return node._replace(count=jnp.asarray(step, node.count.dtype))
+    return node
+  return jax.tree.map(visit, opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
 
 
 def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,

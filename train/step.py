@@ -17,6 +17,7 @@ from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
+from optim.adamw import schedule_at
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
 from quant.fp8 import is_history
@@ -161,7 +162,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update(state):
-      updates, opt_state = tx.update(grads, state['opt_state'], params)
+      # The learning rate is the schedule of the train step, skipped steps included.
+      opt_state = schedule_at(state['opt_state'], state['step'])
+      updates, opt_state = tx.update(grads, opt_state, params)
       if update_shardings is not None:
         updates = jax.lax.with_sharding_constraint(updates, update_shardings)
       return {**state, 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
