@@ -30,12 +30,15 @@ class LoopEnd:
 
 
 def train_loop(s, compiled, state: dict, start: int, batches, global_batch, checkpoints,
-               meta: dict, evaluator, workdir: str) -> LoopEnd:
+               meta: dict, evaluator, workdir: str, stops: StopRequests) -> LoopEnd:
   """Runs steps start + 1 .. train.steps of the compiled step `compiled` (s: run.Setup).
   `global_batch` turns a process's rows into the global batch; `evaluator(state, step)` returns
-  the validation figures; `meta` goes into every checkpoint beside the state."""
+  the validation figures; `meta` goes into every checkpoint beside the state; `stops`: the
+  installed signal handlers and wall-clock saves (train/preemption.py)."""
   train = s.config.train
-  metrics = MetricsWriter(workdir, enabled=is_main())
+  # Rows of the steps this run trains (again) are cut from the files first: a resume logs each
+  # step once. A fresh start evaluates step 0 again, so it keeps none.
+  metrics = MetricsWriter(workdir, enabled=is_main(), keep_before=start + 1 if start else 0)
   learning_rate = learning_rate_schedule(train)
   with s.context():
     params_finite = jax.jit(all_finite)
@@ -48,60 +51,67 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
     checkpoints.save(step, state, batches.get_state(), meta)
     stops.saved()
 
-  if start == 0:   # the untrained model's score, the baseline every later evaluation beats
-    last_eval = evaluator(state, 0)
-    metrics.write(0, last_eval)
   bar = tqdm(total=train.steps, initial=start, disable=not is_main(), unit='step',
              dynamic_ncols=True)
   watch = NonFiniteWatch(train.max_bad_steps)
-  stops = StopRequests(train.checkpoint_minutes, train.log_every)
   # tokens/s counts step time only: evaluation and checkpoint saves are timed and left out.
   interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
   in_flight = None
   try:
-    with stops:
-      for step in range(start + 1, train.steps + 1):
-        batch = global_batch(next(batches))
-        state, step_metrics = compiled(state, batch)
-        # The previous step's verdict is read while this one runs: the check costs no stall.
-        if in_flight is not None:
-          watch.check(*in_flight)
-        in_flight = (step, step_metrics)
-        interval_steps += 1
-        last = step == train.steps
-        evaluating = step % train.eval_every == 0 or last
-        if evaluating or step % train.log_every == 0:
-          values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
-          watch.count(step, values)
-          elapsed = time.perf_counter() - interval_start - paused
-          row = {k: float(v) for k, v in values.items()}
-          row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
-          row['learning_rate'] = float(learning_rate(step - 1))
-          row['skipped_steps'] = watch.skipped
-          bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
-          interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
-          if evaluating:
-            last_eval = evaluator(state, step)
-            row.update(last_eval)
-          if last and peak_device_memory() is not None:
-            row['peak_device_bytes'] = peak_device_memory()
-          metrics.write(step, row)
-          watch.stop_if_too_many()
-        bar.update(1)
-        stopping = stops.stop_now(step)
-        if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
-          save_start = time.perf_counter()
-          watch.check(*in_flight)
-          save(step)
-          paused += time.perf_counter() - save_start
-        if stopping:
-          checkpoints.wait()
-          if is_main():
-            tqdm.write(f'preempted   {stops.signal_name} at step {step}: saved a checkpoint at '
-                       f'step {step} in {checkpoints.directory}; the same command resumes from it')
-          return LoopEnd(state, last_eval, preempted=True)
-        if evaluating:   # the evaluation (and any save) just done stays out of the next interval
-          interval_start, paused = time.perf_counter(), 0.0
+    if start == 0 or start == train.steps:
+      # Step 0: the untrained model's score, the baseline every later evaluation beats. At
+      # train.steps: a finished run whose final evaluation was not recorded.
+      last_eval = evaluator(state, start)
+      metrics.write(start, last_eval)
+      if start == 0 and stops.stop_now(0):
+        if is_main():
+          tqdm.write(f'preempted   {stops.signal_name} during the step-0 evaluation: nothing was '
+                     f'trained and nothing saved; the same command starts the run again')
+        return LoopEnd(state, last_eval, preempted=True)
+      interval_start = time.perf_counter()
+    for step in range(start + 1, train.steps + 1):
+      batch = global_batch(next(batches))
+      state, step_metrics = compiled(state, batch)
+      # The previous step's verdict is read while this one runs: the check costs no stall.
+      if in_flight is not None:
+        watch.check(*in_flight)
+      in_flight = (step, step_metrics)
+      interval_steps += 1
+      last = step == train.steps
+      evaluating = step % train.eval_every == 0 or last
+      if evaluating or step % train.log_every == 0:
+        values = jax.device_get(step_metrics)   # waits for the step: the interval is honest
+        watch.count(step, values)
+        elapsed = time.perf_counter() - interval_start - paused
+        row = {k: float(v) for k, v in values.items()}
+        row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
+        row['learning_rate'] = float(learning_rate(step - 1))
+        row['skipped_steps'] = watch.skipped
+        bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
+        interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+        if evaluating:
+          last_eval = evaluator(state, step)
+          row.update(last_eval)
+        if last and peak_device_memory() is not None:
+          row['peak_device_bytes'] = peak_device_memory()
+        metrics.write(step, row)
+        watch.stop_if_too_many()
+      bar.update(1)
+      stopping = stops.stop_now(step)
+      if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
+        save_start = time.perf_counter()
+        watch.check(*in_flight)
+        save(step)
+        paused += time.perf_counter() - save_start
+      if stopping:
+        checkpoints.wait()
+        if is_main():
+          tqdm.write(f'preempted   {stops.signal_name} at step {step}: saved a checkpoint at '
+                     f'step {step} in {checkpoints.directory}; the same command resumes from it')
+        return LoopEnd(state, last_eval, preempted=True)
+      if evaluating:   # the evaluation (and any save) just done stays out of the next interval
+        interval_start, paused = time.perf_counter(), 0.0
+    if in_flight is not None:
       watch.check(*in_flight)
   except NonFiniteError as e:
     checkpoints.wait()

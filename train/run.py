@@ -23,10 +23,11 @@ from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
-from train import checks, init_from
+from train import checks, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import Evaluator
 from train.loop import is_main, train_loop
+from train.preemption import StopRequests
 from train.sample import generate
 from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout
 from train.step import make_train_step
@@ -278,11 +279,24 @@ def train_and_evaluate(config, workdir: str) -> dict:
   s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
   tokenizer = make_tokenizer(config)
   data_source.check_path(config.data.path, config.data.tokenizer)
-  with workdir_lock(workdir, enabled=is_main()):
+  # The stop handlers (SIGTERM, Ctrl-C) are in place from here: a signal during the compile or
+  # the first evaluation, minutes on a large model, stops the run cleanly too.
+  with (workdir_lock(workdir, enabled=is_main()),
+        StopRequests(config.train.checkpoint_minutes, config.train.log_every) as stops):
     train = s.config.train
     resuming = checkpoints is not None and bool(checkpoints.steps())
     if resuming:   # refuse a checkpoint of another model before any compile or write
       _check_checkpoints(s, checkpoints)
+      newest = checkpoints.steps()[0]
+      final = resume.finished_evaluation(workdir, newest, train.steps)
+      if final is not None:   # a requeued or retried job: every file stays as it is
+        checkpoints.close()
+        if is_main():
+          print(resume.completion_line(workdir, newest, final))
+        return final
+      continuing = resume.continuation_line(workdir, newest, train.steps)
+      if continuing and is_main():
+        print(continuing)
     elif source is not None:   # and a source whose tensors disagree with the model
       init_from.check_source(s, source)
     prepared = open_data(config, workdir)   # a glob is prepared into the workdir on first use
@@ -314,8 +328,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     # 4. Train, evaluating and checkpointing as the config says.
     end = train_loop(s, compiled, state, start, batches, lambda rows: _global_batch(s, rows),
-                     checkpoints, checkpoint_meta(s), evaluator,
-                     workdir)
+                     checkpoints, checkpoint_meta(s), evaluator, workdir, stops)
     if end.preempted:
       return end.last_eval
 
