@@ -21,6 +21,7 @@ from tests.test_run import ROOT, losses_by_step, read_metrics, small_corpus
 from train import run
 from train.checkpoint import Checkpointer, CheckpointError
 from train.loop import NonFiniteError
+from train.metrics import truncate_jsonl
 from train.workdir_lock import WorkdirBusy, workdir_lock
 
 
@@ -157,7 +158,17 @@ CORRUPTIONS = {
                                    for p in (d / 'state').rglob('*') if p.is_file()],
     'missing array files': lambda d: [shutil.rmtree(p) for p in (d / 'state').glob('ocdbt.process_*')],
     'garbage everywhere': lambda d: [p.write_bytes(os.urandom(300)) for p in d.rglob('*') if p.is_file()],
+    # One bit of the arrays' data file: the format's own decoding passes it (orbax reads back
+    # other values without an error); only the saved digests catch it.
+    'a flipped bit that still decodes': lambda d: _flip_a_bit(
+        max((d / 'state').glob('ocdbt.process_*/d/*'), key=lambda p: p.stat().st_size)),
 }
+
+
+def _flip_a_bit(path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize('corruption', sorted(CORRUPTIONS))
@@ -167,12 +178,17 @@ def test_a_broken_newest_checkpoint_is_reported_and_the_run_resumes_from_the_one
   workdir = _copy(straight, tmp_path)
   CORRUPTIONS[corruption](workdir / 'checkpoints' / '6')
   broken = _files(workdir / 'checkpoints' / '6')
-  os.remove(workdir / 'metrics.jsonl')
+  # Rows cut back to step 4: with the final evaluation recorded the run is complete, and a rerun
+  # has nothing to do (train/resume.py).
+  truncate_jsonl(str(workdir / 'metrics.jsonl'), keep_before=5)
   run.train_and_evaluate(config, str(workdir))
   out = capsys.readouterr().out
   assert f'checkpoint  {workdir}/checkpoints/6 does not restore (' in out
+  if corruption == 'a flipped bit that still decodes':
+    assert 'does not restore (DigestMismatch: ' in out
   assert 'resumed     from step 4' in out
-  assert losses_by_step(workdir) == {s: l for s, l in losses_by_step(straight).items() if s > 4}
+  assert losses_by_step(workdir) == losses_by_step(straight)
+  assert [row['step'] for row in read_metrics(workdir) if 'loss' in row] == list(range(1, 7))
   # Nothing deleted: the broken checkpoint was moved aside as it was.
   assert _files(workdir / 'checkpoints-broken' / '6') == broken
 

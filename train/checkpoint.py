@@ -9,12 +9,16 @@ the *current* mesh, so a checkpoint restores onto any layout.
 Before anything is compiled or written, the newest checkpoint's `meta` and stored shapes are
 compared with the config's, so a workdir of a different model gives one clear error instead of an
 orbax traceback or a silently reinterpreted state. A checkpoint that then fails to restore
-(truncated or garbage files, files missing) is reported in one line and the next older one is
-tried; the broken ones are moved aside, never deleted.
+(truncated or garbage files, files missing), or restores to other values than were saved (its
+`meta` holds a digest of every array and of the data position, train/digest.py, checked after
+each restore), is reported in one line and the next older one is tried; the broken ones are moved
+aside, never deleted.
 """
 import contextlib
 import dataclasses
 import gc
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -25,9 +29,15 @@ import jax
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from train.digest import first_mismatch, tree_digests
+
 
 class CheckpointError(ValueError):
   pass
+
+
+class DigestMismatch(RuntimeError):
+  """A checkpoint decoded, but to other values than were saved."""
 
 
 @dataclasses.dataclass
@@ -65,6 +75,8 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+    """`meta` is stored with the digests of the state's arrays and of `data_state` added."""
+    meta = {**meta, 'digests': tree_digests(state), 'data_digest': _json_digest(data_state)}
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)))
@@ -106,6 +118,18 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     return restored['state'], restored['data']
 
+  def verify(self, step: int, state, data: dict) -> None:
+    """DigestMismatch when what was read differs from what was saved (by the digests recorded in
+    the checkpoint's `meta`; one written before they existed is taken as it is)."""
+    saved = self.read_meta(step) or {}
+    if 'digests' in saved:
+      changed = first_mismatch(saved['digests'], tree_digests(state))
+      if changed is not None:
+        raise DigestMismatch(f'{changed} differs from what was saved (its digest does not match)')
+    if 'data_digest' in saved and saved['data_digest'] != _json_digest(data):
+      raise DigestMismatch('the data position differs from what was saved (its digest does not '
+                           'match)')
+
   def restore_newest(self, abstract_state, accept_data=lambda data: None) -> Restored:
     """The newest checkpoint that restores. `accept_data(data)` may raise to refuse a stream
     (that is an error of the config, not a broken checkpoint, so it is not skipped)."""
@@ -114,6 +138,7 @@ class Checkpointer:
       try:
         with _quiet():
           state, data = self.restore(step, abstract_state)
+        self.verify(step, state, data)
       except Exception as e:   # orbax and tensorstore raise many kinds; every one means "broken"
         broken.append((step, _one_line(e)))
         if jax.process_index() == 0 and step != self.steps()[-1]:
@@ -186,6 +211,10 @@ def _one_line(error: Exception) -> str:
   text = str(error).strip().splitlines()
   first = text[0] if text else ''
   return f'{type(error).__name__}: {first[:200]}'
+
+
+def _json_digest(value) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _flat(tree: dict) -> dict:

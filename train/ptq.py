@@ -16,7 +16,7 @@ from flax import nnx
 from models.dense import quantize_weights
 from precision.policy import Policy
 from train import checks
-from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint import CheckpointError, Checkpointer, DigestMismatch
 from train.state import build_model
 
 
@@ -56,8 +56,13 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
   one_device.mesh = {'data': 1, 'fsdp': 1, 'tensor': 1}
   s = run.setup(one_device, devices=jax.devices()[:1])
   checkpoints.check_compatible(step, s.layout.abstract, run.checkpoint_meta(s))
-  state, _ = checkpoints.restore(step, s.layout.abstract)
-  checkpoints.close()
+  state, data = checkpoints.restore(step, s.layout.abstract)
+  try:   # a checkpoint that decodes to other values than were saved is refused, not used
+    checkpoints.verify(step, state, data)
+  except DigestMismatch as e:
+    raise CheckpointError(f'{checkpoints.path(step)}: {e}') from None
+  finally:
+    checkpoints.close()
   return state['params'], state.get('frozen', {})
 
 

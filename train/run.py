@@ -286,10 +286,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     train = s.config.train
     resuming = checkpoints is not None and bool(checkpoints.steps())
     if resuming:   # refuse a checkpoint of another model before any compile or write
-      _check_checkpoints(s, checkpoints)
+      described = _check_checkpoints(s, checkpoints)
       newest = checkpoints.steps()[0]
       final = resume.finished_evaluation(workdir, newest, train.steps)
-      if final is not None:   # a requeued or retried job: every file stays as it is
+      # A requeued or retried job: every file stays as it is. (Unless the newest checkpoint cannot
+      # even be described: then restore reports it and falls back.)
+      if final is not None and described == newest:
         checkpoints.close()
         if is_main():
           print(resume.completion_line(workdir, newest, final))
@@ -368,17 +370,19 @@ def _stored_block_axes(checkpoints: Checkpointer | None) -> dict | None:
   return None
 
 
-def _check_checkpoints(s: Setup, checkpoints: Checkpointer) -> None:
+def _check_checkpoints(s: Setup, checkpoints: Checkpointer) -> int | None:
   """CheckpointError if the newest checkpoint that can be described holds another model, or
-  another adapter / frozen-base / optimizer state, than this config builds."""
+  another adapter / frozen-base / optimizer state, than this config builds; else its step (None:
+  none can be described)."""
   for step in checkpoints.steps():
     try:
       checkpoints.check_compatible(step, s.layout.abstract, checkpoint_meta(s))
-      return
+      return step
     except CheckpointError:
       raise
     except Exception:   # unreadable: restore_newest reports it and tries the next
       continue
+  return None
 
 
 def _print_sample(s: Setup, state, tokenizer) -> None:
