@@ -33,6 +33,8 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-host: number
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-host: this process\'s index.')
 _COORDINATOR_TIMEOUT = flags.DEFINE_integer('coordinator_timeout', 300, 'Multi-host: seconds to wait '
                                             'for every process to reach the coordinator.')
+_PEER_TIMEOUT = flags.DEFINE_float('peer_timeout', 60, 'Multi-host: seconds without a heartbeat from '
+                                   'another process after which the others stop (exit code 75).')
 
 
 def _init_jax(config, plan_devices: int | None = None) -> None:
@@ -54,7 +56,7 @@ def _init_jax(config, plan_devices: int | None = None) -> None:
     return
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           _COORDINATOR_TIMEOUT.value)
+                           _COORDINATOR_TIMEOUT.value, _PEER_TIMEOUT.value)
   except distributed.CoordinatorError as e:
     sys.exit(f'error: {e}')
 
@@ -161,10 +163,15 @@ def main(argv):
       except (PlanError, FileExistsError) as e:
         sys.exit(f'error: {e}')
       return
-    if _DRY_RUN.value:
-      run.dry_run(config, workdir)
-    else:
-      run.train_and_evaluate(config, workdir)
+    from parallel.peers import PeerWatch
+    checkpoint_dir = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    # With several processes, each stops within --peer_timeout of another one's loss.
+    with PeerWatch(_PEER_TIMEOUT.value, checkpoint_dir) as watch:
+      if _DRY_RUN.value:
+        run.dry_run(config, workdir)
+      else:
+        run.train_and_evaluate(config, workdir)
+      watch.done()
   except (checks.ConfigError, DataError, CheckpointError, InitError, WorkdirBusy,
           NonFiniteError) as e:
     sys.exit(f'error: {e}')

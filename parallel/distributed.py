@@ -10,6 +10,8 @@ import time
 
 import jax
 
+from parallel.peers import jax_heartbeat_timeout
+
 
 class CoordinatorError(RuntimeError):
   pass
@@ -57,18 +59,24 @@ def check_flags(coordinator_address: str | None, num_processes: int | None,
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None,
-               process_id: int | None, timeout_s: int) -> None:
+               process_id: int | None, timeout_s: int, peer_timeout_s: float = 60) -> None:
   """Explicit flags, or (all None) what SLURM / Open MPI provide.
 
   Process 0 hosts the coordinator; if the others never arrive, JAX's client aborts it after
-  `timeout_s` with its own message (that abort cannot be caught from Python)."""
+  `timeout_s` with its own message (that abort cannot be caught from Python). A peer lost later is
+  found by parallel/peers.py's watch within `peer_timeout_s`; JAX's own heartbeat timeout, whose
+  expiry aborts the process, is set well beyond it."""
   check_flags(coordinator_address, num_processes, process_id, timeout_s)
+  if not peer_timeout_s >= 1:
+    raise CoordinatorError(f'--peer_timeout={peer_timeout_s:g}; it must be at least 1 second')
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')   # CPU processes talk over TCP
   if coordinator_address and process_id:
     wait_for_coordinator(coordinator_address, timeout_s)
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=timeout_s)
+                               initialization_timeout=timeout_s,
+                               heartbeat_timeout_seconds=jax_heartbeat_timeout(peer_timeout_s))
   except ValueError as e:   # e.g. a cluster JAX cannot read the coordinator from
     raise CoordinatorError(f'could not start multi-host JAX: {e}') from None
+

@@ -1,11 +1,12 @@
 """Two processes on 127.0.0.1 (4 simulated CPU devices each) train as one 8-device ZeRO-3 job, and
-as one pipeline whose stages span both."""
+as one pipeline whose stages span both; one of them killed, the other stops in bounded time."""
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -161,3 +162,51 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_p
   state, data = checkpoints.restore(step, s.layout.abstract)
   checkpoints.close()
   assert int(state['step']) == step and data['step'] == step
+
+
+def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_resume(tmp_path):
+  """Process 1 is killed (SIGKILL) after the first checkpoint; process 0 stops within
+  --peer_timeout with one line and exit code 75, writing nothing more. Both started again resume
+  from the checkpoint: the steps trained twice have the same losses both times (one program on
+  CPU devices is deterministic), and the run finishes."""
+  from parallel.peers import EXIT_LOST_PEER
+  from tests.test_faults import wait_for_step
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'two'
+  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
+  args += ['--config.train.steps=24', '--config.train.checkpoint_every=4', '--host_devices=4',
+           '--num_processes=2', '--coordinator_timeout=60', '--peer_timeout=10']
+
+  def start_both():
+    port = free_port()
+    return [subprocess.Popen(args + [f'--coordinator_address=127.0.0.1:{port}', f'--process_id={i}'],
+                             cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+  procs = start_both()
+  wait_for_step(workdir, procs[0], 6)   # past the checkpoint at 4
+  procs[1].send_signal(signal.SIGKILL)
+  killed_at = time.monotonic()
+  out, err = procs[0].communicate(timeout=120)
+  stopped_after = time.monotonic() - killed_at
+  procs[1].communicate()
+  assert procs[0].returncode == EXIT_LOST_PEER, err[-3000:]
+  assert stopped_after < 10 + 10, stopped_after   # the timeout and a few heartbeats
+  assert 'Traceback' not in err and 'Fatal Python error' not in err
+  newest = max(int(name) for name in os.listdir(workdir / 'checkpoints') if name.isdigit())
+  assert err.strip().splitlines()[-1] == (
+      f'error: lost process 1 (no heartbeat for 10 s); process 0 stops without writing anything '
+      f'more (exit code {EXIT_LOST_PEER}); newest checkpoint: step {newest} in '
+      f'{workdir}/checkpoints; start every process again with the same command to resume from it')
+  first = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
+           if 'loss' in row}
+  # The checkpoint restores as it is (its digests match) and the run goes on to the end.
+  procs = start_both()
+  outputs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outputs]
+  assert f'resumed     from step {newest}' in outputs[0][0]
+  resumed = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
+             if 'loss' in row}
+  assert sorted(resumed) == list(range(1, 25))
+  again = [step for step in first if step > newest]
+  assert again and all(resumed[step] == first[step] for step in first)

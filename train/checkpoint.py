@@ -9,9 +9,9 @@ the *current* mesh, so a checkpoint restores onto any layout.
 Before anything is compiled or written, the newest checkpoint's `meta` and stored shapes are
 compared with the config's, so a workdir of a different model gives one clear error instead of an
 orbax traceback or a silently reinterpreted state. A checkpoint that then fails to restore
-(truncated or garbage files, files missing), or restores to other values than were saved (its
-`meta` holds a digest of every array and of the data position, train/digest.py, checked after
-each restore), is reported in one line and the next older one is tried; the broken ones are moved
+(truncated or garbage files, files missing), or restores to other values than were saved (a
+digest of every array and of the data position, train/digest.py, is written beside each
+checkpoint in `checkpoints-digests/` and checked after each restore), is reported in one line and the next older one is tried; the broken ones are moved
 aside, never deleted.
 """
 import contextlib
@@ -23,13 +23,14 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 
 import jax
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from train.digest import first_mismatch, tree_digests
+from train.digest import as_numbers, digest_arrays, first_mismatch, tree_digests
 
 
 class CheckpointError(ValueError):
@@ -53,6 +54,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int):
     self.directory = os.path.abspath(directory)
     self._keep = keep
+    self._digest_writers: list[threading.Thread] = []
     self._manager = self._open()
 
   def _open(self):
@@ -75,11 +77,37 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state, data_state: dict, meta: dict) -> None:
-    """`meta` is stored with the digests of the state's arrays and of `data_state` added."""
-    meta = {**meta, 'digests': tree_digests(state), 'data_digest': _json_digest(data_state)}
+    """Save asynchronously; the digests of the state's arrays and of `data_state` are computed on
+    the devices meanwhile and written beside the checkpoint (`digest_path`) by a thread, so the
+    save waits for neither."""
+    digests = digest_arrays(state)   # dispatched; read before the next step's donation reuses it
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)))
+    writer = threading.Thread(target=self._write_digests, name=f'digests-{step}', daemon=True,
+                              args=(step, digests, _json_digest(data_state)))
+    writer.start()
+    self._digest_writers.append(writer)
+
+  def digest_path(self, step: int) -> str:
+    """Where checkpoint `step`'s digests are kept: beside the checkpoints, not inside orbax's
+    folder (which is complete, and renamed into place, before the digests are known)."""
+    return os.path.join(self.directory + '-digests', f'{step}.json')
+
+  def _write_digests(self, step: int, digests, data_digest: str) -> None:
+    record = {'arrays': as_numbers(digests), 'data': data_digest}
+    if jax.process_index() != 0:
+      return
+    path = self.digest_path(step)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      json.dump(record, f, sort_keys=True)
+    os.replace(path + '.tmp', path)
+    # Those of checkpoints orbax has since removed (train.keep_checkpoints) go too.
+    for name in os.listdir(os.path.dirname(path)):
+      old = name.partition('.')[0]
+      if old.isdigit() and int(old) < step and not os.path.isdir(self.path(int(old))):
+        os.remove(os.path.join(os.path.dirname(path), name))
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -119,14 +147,20 @@ class Checkpointer:
     return restored['state'], restored['data']
 
   def verify(self, step: int, state, data: dict) -> None:
-    """DigestMismatch when what was read differs from what was saved (by the digests recorded in
-    the checkpoint's `meta`; one written before they existed is taken as it is)."""
-    saved = self.read_meta(step) or {}
-    if 'digests' in saved:
-      changed = first_mismatch(saved['digests'], tree_digests(state))
-      if changed is not None:
-        raise DigestMismatch(f'{changed} differs from what was saved (its digest does not match)')
-    if 'data_digest' in saved and saved['data_digest'] != _json_digest(data):
+    """DigestMismatch when what was read differs from what was saved (by the digests written
+    beside it; a checkpoint without them, saved before they existed or killed before they were
+    written, is taken as it is)."""
+    try:
+      with open(self.digest_path(step), encoding='utf-8') as f:
+        saved = json.load(f)
+    except FileNotFoundError:   # saved before digests existed, or killed before they were written
+      return
+    except ValueError as e:
+      raise DigestMismatch(f'its digests ({self.digest_path(step)}) do not read: {e}') from None
+    changed = first_mismatch(saved['arrays'], tree_digests(state))
+    if changed is not None:
+      raise DigestMismatch(f'{changed} differs from what was saved (its digest does not match)')
+    if saved['data'] != _json_digest(data):
       raise DigestMismatch('the data position differs from what was saved (its digest does not '
                            'match)')
 
@@ -163,6 +197,8 @@ class Checkpointer:
         while os.path.exists(target):
           target, suffix = os.path.join(aside, f'{step}.{suffix}'), suffix + 1
         shutil.move(self.path(step), target)
+        if os.path.exists(self.digest_path(step)):
+          shutil.move(self.digest_path(step), target + '.digests.json')
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices('checkpoints set aside')
@@ -172,8 +208,12 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
+    for writer in self._digest_writers:
+      writer.join()
+    self._digest_writers = []
 
   def close(self) -> None:
+    self.wait()
     self._manager.close()
 
 

@@ -47,16 +47,23 @@ def array_digest(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _digests(tree):
+def digest_arrays(tree):
+  """The digests of every array of `tree` as device scalars: dispatched, not waited for (a
+  checkpoint save goes on while they are computed; `as_numbers` waits)."""
   return jax.tree.map(array_digest, tree)
 
 
-def tree_digests(tree) -> dict[str, int]:
-  """{'/'-joined path: digest} of every array of `tree` (a state of global arrays, on any mesh
-  and any number of processes: every process gets the same numbers)."""
-  values = _digests(tree)
+def as_numbers(digests) -> dict[str, int]:
+  """{'/'-joined path: digest} from `digest_arrays`' result (waits for it). Every process gets the
+  same numbers: each reads its own copy of the replicated scalars."""
   return {jax.tree_util.keystr(path, simple=True, separator='/'): int(np.asarray(
-      leaf.addressable_data(0))) for path, leaf in jax.tree_util.tree_flatten_with_path(values)[0]}
+      leaf.addressable_data(0))) for path, leaf in jax.tree_util.tree_flatten_with_path(digests)[0]}
+
+
+def tree_digests(tree) -> dict[str, int]:
+  """{'/'-joined path: digest} of every array of `tree` (global arrays, on any mesh and any number
+  of processes)."""
+  return as_numbers(digest_arrays(tree))
 
 
 def first_mismatch(saved: dict[str, int], restored: dict[str, int]) -> str | None:
