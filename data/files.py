@@ -18,6 +18,12 @@ def file_sha256(path: str) -> str:
   return digest.hexdigest()
 
 
+def file_fingerprint(path: str) -> str:
+  """A fast content hash of a file (BLAKE2b, 128 bits)."""
+  with open(path, 'rb') as f:
+    return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
 def write_atomic(path: str, write) -> None:
   """write(file) into a temporary name beside `path`, then rename it into place: a kill never
   leaves a half-written file under the final name."""

@@ -12,15 +12,21 @@ token ids as uint16 when the vocabulary fits, else uint32, every document stored
 every document in it; `group-NNNNN.json` records the group's files, sizes and sha256.
 `index.json`, written last, names the tokenizer and every shard; `data.path=DIR` trains on it.
 
-Resumable and idempotent: `plan.json` fixes the groups before any tokenizing. A re-run keeps every
+Resumable and idempotent: `plan.json` fixes the groups, and the size and a content fingerprint
+(BLAKE2b) of every input, before any tokenizing. A re-run keeps every
 group whose record is there and whose files match it and does the rest; a finished preparation is
-left as it is; a directory holding anything else is refused. Every file is written under a
+left as it is; a directory holding anything else, or a preparation of inputs whose content has
+changed since (same sizes and times included), is refused; a run's own cache of a glob
+(data/source.py) is prepared again instead. A directory given to a run as `data.path` is not
+checked against its inputs at each start (they may be elsewhere, and terabytes): re-running
+`python -m data.prepare` on it does check them. Every file is written under a
 temporary name and renamed, so a kill never leaves a half-written file under a final name (and two
 processes preparing the same inputs write the same bytes).
 """
 import hashlib
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 
@@ -28,7 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from data.corpus import DataError, Shard, list_files, split_files
-from data.files import FORMAT, READ_BYTES, SPLITS, file_sha256, read_json, write_atomic, write_json
+from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
+                        write_atomic, write_json)
 from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
@@ -66,7 +73,10 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float) -> 
     groups.append(group)
   return {'format': FORMAT, 'input': pattern, 'root': root, 'tokenizer': tokenizer.identity(),
           'dtype': token_dtype(tokenizer.vocab_size).name, 'val_fraction': val_fraction,
-          'files': {os.path.relpath(p, root): s for p, s in sizes.items()}, 'groups': groups}
+          'files': {os.path.relpath(p, root): s for p, s in sizes.items()}, 'groups': groups,
+          # The content, not only the size: an input rewritten with other bytes of the same
+          # length (and its mtime kept) must not pass for the one prepared.
+          'fingerprints': {os.path.relpath(p, root): file_fingerprint(p) for p in files}}
 
 
 def _range(doc: Shard, size: int) -> tuple[int, int]:
@@ -182,15 +192,28 @@ def _run_group(args) -> dict:
 
 # ---- the whole preparation ---------------------------------------------------------------------
 
-def _check_out(out: str, plan: dict) -> None:
-  """Refuses an --out that holds anything but an earlier try at this same plan."""
+def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> None:
+  """Refuses an --out that holds anything but an earlier try at this same plan. With
+  `rebuild_stale` (a run's own cache of a glob) a preparation of other inputs, or of inputs whose
+  content has changed since, is removed instead, in one line, and prepared again."""
   plan_path = os.path.join(out, 'plan.json')
   if os.path.isfile(plan_path):
     stored = read_json(plan_path)
+    if 'fingerprints' not in stored and not rebuild_stale:   # prepared before they existed
+      stored = {**stored, 'fingerprints': plan['fingerprints']}
     if stored != plan:
       differs = sorted(k for k in set(plan) | set(stored) if plan.get(k) != stored.get(k))
-      raise DataError(f'--out={out!r} holds a preparation of other inputs (its {", ".join(differs)} '
-                      'differ); give another --out, or delete that one to redo it')
+      what = ', '.join(differs)
+      if differs == ['fingerprints'] and stored.get('fingerprints'):
+        changed = next(p for p in sorted(plan['fingerprints'])
+                       if plan['fingerprints'][p] != stored['fingerprints'].get(p))
+        what = f'content: {os.path.join(plan["root"], changed)} changed since'
+      if rebuild_stale:
+        print(f'data        {out} was prepared from other inputs ({what}); preparing it again')
+        shutil.rmtree(out)
+        return
+      raise DataError(f'--out={out!r} holds a preparation of other inputs (its {what}); give '
+                      f'another --out, or delete that one to redo it')
   elif os.path.isdir(out) and os.listdir(out):
     raise DataError(f'--out={out!r} is not empty and holds no preparation (no plan.json); give a '
                     'new or empty directory, nothing there is overwritten')
@@ -210,13 +233,15 @@ def build_index(plan: dict, records: list[dict]) -> dict:
 
 
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
-            val_fraction: float = 0.05, shard_mb: float = 256, progress: bool = True) -> dict:
-  """Prepares (or finishes preparing) `pattern` into `out`; returns the index."""
+            val_fraction: float = 0.05, shard_mb: float = 256, progress: bool = True,
+            rebuild_stale: bool = False) -> dict:
+  """Prepares (or finishes preparing) `pattern` into `out`; returns the index. `rebuild_stale`:
+  `out` is a cache of ours, prepared again when its inputs changed (else that is refused)."""
   if workers < 1:
     raise DataError(f'--workers={workers!r} must be a positive integer')
   tokenizer = open_tokenizer(tokenizer_spec)
   plan = make_plan(pattern, tokenizer, val_fraction, shard_mb)
-  _check_out(out, plan)
+  _check_out(out, plan, rebuild_stale)
   index_path = os.path.join(out, 'index.json')
   if os.path.isfile(index_path):
     return read_json(index_path)

@@ -42,7 +42,8 @@ def open_data(path: str, tokenizer_spec: str, val_fraction: float, cache_root: s
   else:
     directory = cache_directory(cache_root, path, tokenizer_spec, val_fraction)
     if prepare_here or not os.path.isfile(os.path.join(directory, 'index.json')):
-      prepare(path, tokenizer_spec, directory, val_fraction=val_fraction, progress=progress)
+      prepare(path, tokenizer_spec, directory, val_fraction=val_fraction, progress=progress,
+              rebuild_stale=True)
     prepared = PreparedData(directory)
   prepared.check_tokenizer(tokenizer)
   return prepared

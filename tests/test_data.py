@@ -190,6 +190,47 @@ def test_preparation_resumes_keeps_finished_shards_and_is_idempotent(text_corpus
   assert stamps == {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
 
 
+def _rewrite_same_length_and_time(path):
+  """Other bytes of the same length, its modification time put back (a copy that keeps times)."""
+  stat = os.stat(path)
+  data = bytearray(path.read_bytes())
+  data[0] ^= 0x01
+  path.write_bytes(bytes(data))
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_runs_cache_is_prepared_again_when_an_input_changes_content_only(text_corpus, tmp_path,
+                                                                          capsys):
+  from data.source import open_data
+  pattern = str(text_corpus / "**" / "*.txt")
+  cache = tmp_path / "cache"
+  open_data(pattern, "bytes", 0.25, str(cache), progress=False)
+  (directory,) = os.listdir(cache)
+  shards = {name: os.path.getmtime(cache / directory / name) for name in os.listdir(cache / directory)}
+  open_data(pattern, "bytes", 0.25, str(cache), progress=False)   # unchanged: nothing rewritten
+  assert {n: os.path.getmtime(cache / directory / n) for n in shards} == shards
+  assert "prepared from other inputs" not in capsys.readouterr().out
+  changed = text_corpus / "part1" / "doc01.txt"
+  _rewrite_same_length_and_time(changed)
+  again = open_data(pattern, "bytes", 0.25, str(cache), progress=False)
+  assert (f"was prepared from other inputs (content: {changed} changed since); preparing it "
+          "again") in capsys.readouterr().out
+  # The new bytes are what the rebuilt shards hold.
+  assert any(changed.read_bytes() in _documents(again, split) for split in ("train", "val"))
+
+
+def test_preparing_again_over_inputs_whose_content_changed_is_refused(text_corpus, tmp_path):
+  pattern = str(text_corpus / "**" / "*.txt")
+  out = str(tmp_path / "prepared")
+  prepare(pattern, "bytes", out, val_fraction=0.25, progress=False)
+  before = _files(tmp_path / "prepared")
+  changed = text_corpus / "part0" / "doc00.txt"
+  _rewrite_same_length_and_time(changed)
+  with pytest.raises(DataError, match=f"content: {changed} changed since"):
+    prepare(pattern, "bytes", out, val_fraction=0.25, progress=False)
+  assert _files(tmp_path / "prepared") == before
+
+
 def test_bad_preparations_are_refused_in_one_line_writing_nothing(text_corpus, tmp_path):
   pattern = str(text_corpus / "**" / "*.txt")
   with pytest.raises(DataError, match="matches no files"):
