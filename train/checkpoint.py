@@ -95,9 +95,9 @@ class Checkpointer:
     return os.path.join(self.directory + '-digests', f'{step}.json')
 
   def _write_digests(self, step: int, digests, data_digest: str) -> None:
-    record = {'arrays': as_numbers(digests), 'data': data_digest}
-    if jax.process_index() != 0:
+    if jax.process_index() != 0:   # every process computed them (one program); one writes
       return
+    record = {'arrays': as_numbers(digests), 'data': data_digest}
     path = self.digest_path(step)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + '.tmp', 'w', encoding='utf-8') as f:
