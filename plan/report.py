@@ -19,7 +19,7 @@ def _gb(n: float) -> str:
   return f'{n / 1e9:.1f} GB'
 
 
-def compile_total(config, devices: int) -> int | str:
+def compile_total(config, devices: int) -> int | str | None:
   """The compiled per-device total of `config`'s train step on `devices` simulated CPU devices, or
   why it did not compile. Each compile is `main.py --dry_run` of the config file in a child
   process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan down."""
@@ -39,7 +39,7 @@ def compile_total(config, devices: int) -> int | str:
                      lines[-1] if lines else '')
       return f'did not compile ({failure.strip()[:160]})'
     with open(os.path.join(tmp, 'w', 'memory.json')) as f:
-      return json.load(f)['per_device_bytes']['total']
+      return json.load(f).get('per_device_bytes', {}).get('total')   # None: plan() says so
 
 
 def write_config(path: str, config, header: str) -> None:

@@ -133,7 +133,8 @@ def _frozen(config, precision: str) -> Frozen | None:
 def plan(config, target: Target, compile_total, log=print, stages: bool = True,
          allow_pure_bf16: bool = False) -> tuple[Candidate, list[Candidate]]:
   """(the chosen candidate, every candidate ranked). `compile_total(config) -> bytes` compiles a
-  config's train step on `target.count` simulated devices; `stages`: pipeline stages may be
+  config's train step on `target.count` simulated devices, or says why it could not (a string; a
+  compile without a memory total is unverified, never fitting); `stages`: pipeline stages may be
   chosen (multi-node targets); `allow_pure_bf16`: recipes without an fp32 master may be chosen.
   Raises PlanError when nothing fits."""
   budget = target.memory * (1 - MARGIN)
@@ -160,9 +161,11 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
         f'{need / budget:.1f}x as many devices or a larger GPU')
   log(f'{len(candidates)} recipes, {len(fitting)} fit by the estimate; compiling the fastest '
       f'to verify (at most {MAX_COMPILES})')
-  for candidate in fitting[:MAX_COMPILES]:
+  tried = fitting[:MAX_COMPILES]
+  for candidate in tried:
     started = time.time()
-    candidate.compiled = compile_total(apply(config, candidate.recipe, target.count))
+    compiled = compile_total(apply(config, candidate.recipe, target.count))
+    candidate.compiled = _compiled_bytes(compiled)
     seconds = f'{time.time() - started:.1f} s'
     if isinstance(candidate.compiled, str):
       log(f'  {candidate.recipe}: {candidate.compiled} ({seconds})')
@@ -175,8 +178,22 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
       if note:
         log(note)
       return candidate, fitting
-  raise PlanError(f'the {MAX_COMPILES} fastest recipes the estimate accepted all compile above the '
-                  f'{budget / 1e9:.1f} GB usable on {target}; the estimate is too optimistic here')
+  failed = [c for c in tried if isinstance(c.compiled, str)]
+  if len(failed) == len(tried):
+    raise PlanError(f'none of the {len(tried)} fastest recipes the estimate accepted on {target} '
+                    f'could be verified: {failed[0].recipe}: {failed[0].compiled}')
+  also = f', {len(failed)} could not be verified' if failed else ''
+  raise PlanError(f'the {len(tried)} fastest recipes the estimate accepted on {target}: '
+                  f'{len(tried) - len(failed)} compile above the {budget / 1e9:.1f} GB '
+                  f'usable{also}; the estimate is too optimistic here')
+
+
+def _compiled_bytes(total) -> int | float | str:
+  """A compile's per-device bytes, or why there are none: `compile_total` answers a number or a
+  reason, and a compile whose memory total is unavailable (None) is a reason too, never a size."""
+  if isinstance(total, str) or (isinstance(total, (int, float)) and not isinstance(total, bool)):
+    return total
+  return f'compiled, but no per-device memory total was reported ({total!r})'
 
 
 def assumptions(target: Target) -> str:

@@ -8,12 +8,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+
+try:   # the reference: requirements-test.txt has them; a stack without them skips what needs them
+  import torch
+  from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                            LlamaForCausalLM)
+except ImportError:
+  torch = None
 
 from convert import ConvertError, HFCheckpoint, arch_of, export_hf
 from models import ModelConfig, Transformer
@@ -30,7 +34,7 @@ LLAMA3_ROPE = {'rope_type': 'llama3', 'rope_theta': ROPE_THETA, 'factor': 8.0,
                'original_max_position_embeddings': 16}
 
 
-def _hf_model(kind: str) -> torch.nn.Module:
+def _hf_model(kind: str) -> 'torch.nn.Module':
   torch.manual_seed(0)
   if kind == 'gpt2':
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
@@ -53,6 +57,8 @@ def _hf_model(kind: str) -> torch.nn.Module:
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
   """kind -> a directory written by save_pretrained (safetensors), built on first use."""
+  if torch is None:
+    pytest.skip('needs torch and transformers (requirements-test.txt)')
   dirs = {}
 
   def get(kind: str) -> str:

@@ -7,9 +7,13 @@ import os
 import jax
 import numpy as np
 import pytest
-import torch
 from flax import nnx, traverse_util
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+try:   # the reference: requirements-test.txt has them; a stack without them skips what needs them
+  import torch
+  from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+except ImportError:
+  torch = None
 
 from configs import finetune
 from convert import HFCheckpoint
@@ -19,6 +23,8 @@ from train import checks, init_from, run
 from train.export_hf import export_run, merged_params
 from train.ptq import restore_weights
 
+needs_torch = pytest.mark.skipif(torch is None,
+                                 reason='needs torch and transformers (requirements-test.txt)')
 TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                rope_theta=10000.0, tie_word_embeddings=False)
@@ -26,6 +32,8 @@ TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden
 
 @pytest.fixture(scope='module')
 def hf_dir(tmp_path_factory):
+  if torch is None:
+    pytest.skip('needs torch and transformers (requirements-test.txt)')
   torch.manual_seed(0)
   directory = str(tmp_path_factory.mktemp('llama'))
   LlamaForCausalLM(LlamaConfig(**TINY_HF)).save_pretrained(directory)
@@ -92,6 +100,7 @@ def test_qlora_quantizes_on_load_into_the_sharded_base(hf_dir):
   assert 'lora' in state['params']['blocks']['attention']['query']
 
 
+@needs_torch
 def test_lora_from_an_earlier_run_starts_from_its_weights_and_exports_merged(tmp_path):
   base_dir, tuned_dir = str(tmp_path / 'base'), str(tmp_path / 'tuned')
   run.train_and_evaluate(tiny_config(**{'train.steps': 2}), base_dir)
@@ -159,6 +168,7 @@ def test_a_lora_run_is_not_a_base_to_start_from(tmp_path):
     run.train_and_evaluate(tiny_config(**{'init_from': f'run:{lora_dir}'}), str(tmp_path / 'x'))
 
 
+@needs_torch
 def test_fine_tuning_an_imported_model_on_its_own_tokenizer(tmp_path):
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   text_dir = tmp_path / 'text'

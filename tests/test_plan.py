@@ -113,11 +113,30 @@ def test_the_plan_keeps_an_fp32_master_unless_pure_bf16_is_allowed():
   allowed; where nothing else fits the plan says so and names the flag, and where it would have
   been faster the plan says what keeping the master cost."""
   from plan.search import keeps_fp32_update, tradeoff
+  from configs.hardware import GB
   config = default.get_config('1b')
   config.train.batch_size, config.train.seq_len = 8, 512
+  # A GPU on which only pure bf16 fits by the installed version's estimate: halfway between the
+  # smallest recipe without an fp32 master and the smallest with one. The sizes themselves depend
+  # on the XLA:CPU the plan verifies with (jax 0.10 holds bf16 activations in fp32, 0.11 on does
+  # not: memory/estimate.py), so no fixed size is such a GPU on every version; the order is.
+  one = parse_target('1x80GB')
+  on_one = [evaluate(config, r, one) for r in recipes(config, one)]
+  kept = min(c.estimate['total'] for c in on_one if keeps_fp32_update(c))
+  pure = min(c.estimate['total'] for c in on_one if not keeps_fp32_update(c))
+  assert pure < kept
+  tight = parse_target(f'1x{(pure + kept) / 2 / (1 - MARGIN) / GB:.3f}GB')
+
+  def never(_):
+    raise AssertionError('a plan that refuses compiles nothing')
+
   with pytest.raises(PlanError, match=r'only recipes without an fp32 master fit .*'
                                       r'--plan_allow_pure_bf16'):
-    plan(config, parse_target('1x19GB'), compile_total=None)
+    plan(config, tight, compile_total=never)
+  compiled = []
+  chosen, _ = plan(config, tight, compile_total=lambda c: compiled.append(c.precision) or 0,
+                   allow_pure_bf16=True, log=lambda line: None)
+  assert not keeps_fp32_update(chosen) and compiled == [chosen.recipe.precision]
   target = parse_target('8xH100-80GB')
   budget = target.memory * (1 - MARGIN)
   candidates = [evaluate(config, r, target) for r in recipes(config, target)]
@@ -129,6 +148,26 @@ def test_the_plan_keeps_an_fp32_master_unless_pure_bf16_is_allowed():
   assert note and 'kept an fp32 master' in note and '--plan_allow_pure_bf16' in note
   pure = min((c for c in candidates if not keeps_fp32_update(c)), key=lambda c: c.seconds['total'])
   assert 'updates bf16 weights directly' in tradeoff(pure, candidates, budget)
+
+
+def test_a_compile_without_a_memory_total_is_never_taken_as_fitting():
+  """A compile that reports no per-device total (None) or fails (a reason) is not verified: the
+  plan goes on to the next recipe, and where none is verified says so in one line."""
+  config = default.get_config('100m')
+  config.train.batch_size, config.train.seq_len = 8, 256
+  target = parse_target('2x80GB')
+  with pytest.raises(PlanError, match=r'none of the 6 fastest recipes .* could be verified: .*'
+                                      r'no per-device memory total'):
+    plan(config, target, compile_total=lambda c: None, log=lambda line: None)
+  answers = iter([None, 'did not compile (F1 ...)', 1])
+  chosen, ranked = plan(config, target, compile_total=lambda c: next(answers),
+                        log=lambda line: None)
+  assert chosen is ranked[2] and chosen.compiled == 1
+  assert all(isinstance(c.compiled, str) for c in ranked[:2])
+  answers = iter(['did not compile (F1 ...)'] + [80e9] * 5)
+  with pytest.raises(PlanError, match=r'5 compile above the 72.0 GB usable, 1 could not be '
+                                      r'verified; the estimate is too optimistic'):
+    plan(config, target, compile_total=lambda c: next(answers), log=lambda line: None)
 
 
 def test_a_frozen_base_is_costed_without_weight_gradients():
