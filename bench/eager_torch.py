@@ -1,0 +1,133 @@
+"""The yardstick: the same decoder trained by a plain PyTorch eager loop (no `torch.compile`).
+
+Token embedding -> N x [RMSNorm -> causal grouped-query attention with RoPE (Llama's half
+rotation, `F.scaled_dot_product_attention`) -> RMSNorm -> SwiGLU MLP], no biases, final RMSNorm,
+a tied or untied head, next-token cross-entropy, AdamW with global-norm clipping: what a
+researcher writes in PyTorch in an afternoon. `torch` is a test-only requirement; only
+bench/versus.py imports this file, in a process of its own.
+
+`precision`: 'fp32' (everything fp32) or 'bf16' (weights, activations and Adam's moments in bf16,
+as `model.to(torch.bfloat16)` gives; PyTorch's CPU matmuls run bf16 natively where the CPU has
+AVX512_BF16 or AMX).
+"""
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+
+  def __init__(self, dim: int, eps: float):
+    super().__init__()
+    self.eps = eps
+    self.scale = nn.Parameter(torch.ones(dim))
+
+  def forward(self, x):
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (normed * self.scale.float()).to(x.dtype)
+
+
+def rope_tables(length: int, head_dim: int, theta: float):
+  inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+  angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq
+  return angles.cos(), angles.sin()     # [length, head_dim / 2]
+
+
+def apply_rope(x, cos, sin):
+  """x [batch, heads, length, head_dim]: dimension i pairs with i + head_dim / 2."""
+  x1, x2 = x.float().chunk(2, dim=-1)
+  return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Block(nn.Module):
+
+  def __init__(self, s: dict):
+    super().__init__()
+    d, h, kv, hd, m = s['d_model'], s['num_heads'], s['num_kv_heads'], s['head_dim'], s['mlp_dim']
+    self.h, self.kv, self.hd = h, kv, hd
+    self.attention_norm = RMSNorm(d, 1e-5)
+    self.query = nn.Linear(d, h * hd, bias=False)
+    self.key = nn.Linear(d, kv * hd, bias=False)
+    self.value = nn.Linear(d, kv * hd, bias=False)
+    self.out = nn.Linear(h * hd, d, bias=False)
+    self.mlp_norm = RMSNorm(d, 1e-5)
+    self.gate = nn.Linear(d, m, bias=False)
+    self.up = nn.Linear(d, m, bias=False)
+    self.down = nn.Linear(m, d, bias=False)
+
+  def forward(self, x, cos, sin):
+    b, t, _ = x.shape
+    y = self.attention_norm(x)
+    q = self.query(y).view(b, t, self.h, self.hd).transpose(1, 2)
+    k = self.key(y).view(b, t, self.kv, self.hd).transpose(1, 2)
+    v = self.value(y).view(b, t, self.kv, self.hd).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.kv != self.h)
+    x = x + self.out(attended.transpose(1, 2).reshape(b, t, self.h * self.hd))
+    y = self.mlp_norm(x)
+    return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Transformer(nn.Module):
+
+  def __init__(self, s: dict):
+    super().__init__()
+    self.embedding = nn.Embedding(s['vocab_size'], s['d_model'])
+    self.blocks = nn.ModuleList(Block(s) for _ in range(s['num_layers']))
+    self.final_norm = RMSNorm(s['d_model'], 1e-5)
+    self.head = None if s['tie_embeddings'] else nn.Linear(s['d_model'], s['vocab_size'], bias=False)
+    cos, sin = rope_tables(s['seq_len'], s['head_dim'], 10000.0)
+    self.register_buffer('cos', cos, persistent=False)
+    self.register_buffer('sin', sin, persistent=False)
+    for p in self.parameters():
+      if p.dim() > 1:
+        nn.init.normal_(p, std=0.02)
+
+  def forward(self, tokens):
+    x = self.embedding(tokens)
+    for block in self.blocks:
+      x = block(x, self.cos, self.sin)
+    x = self.final_norm(x)
+    weight = self.embedding.weight if self.head is None else self.head.weight
+    return F.linear(x, weight).float()   # fp32 logits, as ours
+
+
+class Trainer:
+  """One model, its optimizer and a batch stream; `run(n)` trains n steps and returns the seconds."""
+
+  def __init__(self, s: dict, threads: int):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    self.s = s
+    self.model = Transformer(s)
+    if s['precision'] == 'bf16':
+      self.model = self.model.to(torch.bfloat16)
+    elif s['precision'] != 'fp32':
+      raise ValueError(f'precision={s["precision"]!r}; the PyTorch loop runs fp32 or bf16')
+    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                       weight_decay=0.1)
+    self.generator = torch.Generator().manual_seed(0)
+    self.loss = math.nan
+
+  def step(self) -> None:
+    s = self.s
+    tokens = torch.randint(0, s['vocab_size'], (s['batch_size'], s['seq_len'] + 1),
+                           generator=self.generator)
+    logits = self.model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.view(-1, s['vocab_size']), tokens[:, 1:].reshape(-1))
+    self.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+    self.optimizer.step()
+    self.loss = loss.item()   # as a user's loop logs it: one read per step
+
+  def run(self, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+      self.step()
+    return time.perf_counter() - start
