@@ -37,13 +37,22 @@ _PEER_TIMEOUT = flags.DEFINE_float('peer_timeout', 60, 'Multi-host: seconds with
                                    'another process after which the others stop (exit code 75).')
 
 
-def _init_jax(config, plan_devices: int | None = None) -> None:
-  """Device simulation and multi-host set-up; both must happen before JAX touches a backend."""
+def _init_jax(config, plan_devices: int | None = None) -> list[str]:
+  """The persistent compilation cache, the GPU's XLA flags, device simulation and multi-host
+  set-up: all before JAX touches a backend. Returns the XLA flags added (GPU defaults)."""
   import jax
+  from configs import default
+  from parallel import xla_flags
+  from train import compile_cache
+  try:
+    compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE))
+  except compile_cache.CacheDirError as e:
+    sys.exit(f'error: {e}')
   if plan_devices:   # a plan compiles for the target's device count, on the CPU whatever is here
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', plan_devices)
-    return
+    return []
+  added = xla_flags.apply(jax.config.jax_platforms)
   host_devices = _HOST_DEVICES.value if _HOST_DEVICES.value is not None else config.get('host_devices', 0)
   if not isinstance(host_devices, int) or host_devices < 0 or _HOST_DEVICES.value == 0:
     sys.exit(f'error: host_devices={host_devices!r}; it must be a positive integer')
@@ -53,12 +62,13 @@ def _init_jax(config, plan_devices: int | None = None) -> None:
   from parallel import distributed
   explicit = any(v is not None for v in (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value))
   if not (explicit or distributed.launched_as_several_tasks()):
-    return
+    return added
   try:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            _COORDINATOR_TIMEOUT.value, _PEER_TIMEOUT.value)
   except distributed.CoordinatorError as e:
     sys.exit(f'error: {e}')
+  return added
 
 
 def _unknown_override(argv) -> str | None:
@@ -138,7 +148,7 @@ def main(argv):
       target = parse_target(_TARGET.value)
     except TargetError as e:
       sys.exit(f'error: {e}')
-  _init_jax(_CONFIG.value, plan_devices=target.count if target else None)
+  added_flags = _init_jax(_CONFIG.value, plan_devices=target.count if target else None)
   from data import DataError
   from train import checks, run
   from train.checkpoint import CheckpointError
@@ -151,6 +161,9 @@ def main(argv):
   if _WORKDIR.value is None and jax.process_count() > 1:
     sys.exit('error: --workdir is required with several processes (each would pick its own '
              'default folder); give every process the same shared path')
+  if added_flags and jax.process_index() == 0:
+    print(f'xla flags   GPU training defaults (a flag set in XLA_FLAGS keeps its value): '
+          f'{" ".join(added_flags)}')
   workdir = _WORKDIR.value or _default_workdir(
       config.name if target is None else f'plan-{config.name}-{target}')
   try:

@@ -5,9 +5,15 @@
   python main.py --config=configs/default.py:1b --dry_run
   python main.py --config.train.steps=60 --workdir=runs/try   # any key can be overridden
 """
+import os
+
 import ml_collections
 
 from configs import presets
+
+# JAX's persistent compilation cache, per user (JAX's own JAX_COMPILATION_CACHE_DIR, when set, wins).
+COMPILE_CACHE = (os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(
+    os.environ.get('XDG_CACHE_HOME') or '~/.cache', 'less-memory-lm', 'jax'))
 
 
 def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
@@ -68,6 +74,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       pipeline_repeats=1,                 # circular: layer chunks per stage (gpipe: 1)
   )
   config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
+  config.compile_cache = COMPILE_CACHE    # compiled programs kept here for reruns and resumes; '' = off
   config.quant = dict(
       mode='none',                        # matmuls: none, int8, int4, fp8, llm_int8 (quant/recipe.py)
       block_size=0,                       # 0: a scale per channel/token; n: per n inputs (int8/int4/fp8)

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
-from train import checks, init_from, resume
+from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import Evaluator
 from train.loop import is_main, train_loop
@@ -157,6 +158,17 @@ def compile_train_step(s: Setup):
     return lowered.compile()
 
 
+def compile_and_report(s: Setup) -> tuple[object, dict]:
+  """The compiled step and its memory report, with the compile's wall-clock seconds (lowering
+  included) and whether JAX's persistent cache served it (None: the cache is off)."""
+  with compile_cache.watch() as cache:
+    start = time.perf_counter()
+    compiled = compile_train_step(s)
+    seconds = time.perf_counter() - start
+  return compiled, {**memory_report(s, compiled), 'compile_seconds': round(seconds, 3),
+                    'compile_cache_hit': cache.hit}
+
+
 def memory_report(s: Setup, compiled) -> dict:
   trainable, base = s.spec.sizes()
   collectives = collective_stats(compiled.as_text(), s.mesh.size)
@@ -225,7 +237,7 @@ def dry_run(config, workdir: str) -> dict:
     if checkpoints:   # nor may it overwrite another model's memory.json
       _check_checkpoints(s, checkpoints)
       checkpoints.close()
-    memory = memory_report(s, compile_train_step(s))
+    _, memory = compile_and_report(s)
     print_summary(s, memory)
     _write_json(os.path.join(workdir, 'memory.json'), memory)
   return memory
@@ -308,8 +320,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     evaluator = Evaluator(s, eval_set(s, prepared), prepared.bytes_per_token('val'))
 
     # 2. Compile the step: its memory is known before the state is allocated.
-    compiled = compile_train_step(s)
-    memory = memory_report(s, compiled)
+    compiled, memory = compile_and_report(s)
 
     # 3. The state: restored from the newest checkpoint that restores (before anything is
     #    written; none restoring is an error that leaves every file as it was), else imported

@@ -1,9 +1,11 @@
-"""The run's opening summary: config, devices, model, layout, memory (compiled and estimated) and
-collectives per step, printed once (main process) before the first step."""
+"""The run's opening summary: config, devices, model, layout, the step's compile time, memory
+(compiled and estimated) and collectives per step, printed once (main process) before the first
+step."""
 import jax
 
 from memory.compiled import format_bytes
 from quant.recipe import describe as describe_recipe
+from train import compile_cache
 
 
 def print_summary(s, memory: dict) -> None:
@@ -36,6 +38,8 @@ def print_summary(s, memory: dict) -> None:
           f'{pipe["layers_per_stage"] // pipe["repeats"]} layer(s), {pipe["microbatches"]} '
           f'microbatches, {pipe["iterations"]} iterations; bubble {pipe["bubble_fraction"]:.1%} of '
           f'stage-iterations')
+  print(f'compiled    train step in {memory["compile_seconds"]:.1f} s '
+        f'({compile_cache.describe(memory["compile_cache_hit"])})')
   b = format_bytes
   print(f'memory      per device, compiled: {b(compiled["total"])} = arguments '
         f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
