@@ -1,8 +1,65 @@
-"""The one contraction every dense product computes: x [..., *in] @ kernel [*in, *out]."""
+"""The one contraction every dense product computes: x [..., *in] @ kernel [*in, *out].
+
+`dense_product` runs it as one 2-D matmul, [rows, in] @ [in, out], forward and backward (its own
+VJP, between free reshapes). XLA:CPU compiles a dot_general whose operands keep their [batch,
+length, ...] dims into a backward whose weight gradient contracts two dims, and lays it out by
+transposing the large output gradient inside the elementwise fusion that produces it (issue 29:
+the issue-shape train step 1.4x faster without). On the CPU the weight gradient is taken from an
+explicit transposed copy of the input, so that XLA does not transpose the output gradient instead;
+other backends get autodiff's own products (a GPU's GEMMs read either orientation, so a copy there
+would only add traffic).
+"""
+import functools
+import math
+
 import jax
+import jax.numpy as jnp
 
 
 def dense_dims(x: jax.Array, n_in: int) -> jax.lax.DotDimensionNumbers:
   """`dot_general` dimension numbers contracting the last `n_in` dims of x with the first of the
   kernel (several input dims, e.g. [heads, head_dim] -> [embed], need no reshape)."""
   return ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+
+
+def dense_product(x: jax.Array, kernel: jax.Array, n_in: int, out_dtype=None) -> jax.Array:
+  """x [..., *in] @ kernel [*in, *out] -> [..., *out], as a 2-D matmul forward and backward.
+  `out_dtype`: accumulate into this dtype instead of x's (the head's fp32 logits: autodiff's own
+  products, which keep the fp32 gradient's precision)."""
+  if out_dtype is not None or x.dtype != kernel.dtype:
+    return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=out_dtype)
+  return _dense_2d(x, kernel, n_in)
+
+
+def _as_matrices(x: jax.Array, kernel: jax.Array, n_in: int):
+  inner = math.prod(kernel.shape[:n_in])
+  return x.reshape(-1, inner), kernel.reshape(inner, -1)
+
+
+# The residuals are x and the kernel as they came in (not their 2-D reshapes): inside the layer
+# scan a reshape is a value of its own, and the scan would stack it beside the input that other
+# operations (the norm's backward) keep, twice the activations' memory.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense_2d(x: jax.Array, kernel: jax.Array, n_in: int) -> jax.Array:
+  rows, matrix = _as_matrices(x, kernel, n_in)
+  return (rows @ matrix).reshape(*x.shape[:x.ndim - n_in], *kernel.shape[n_in:])
+
+
+def _dense_2d_forward(x, kernel, n_in):
+  return _dense_2d(x, kernel, n_in), (x, kernel)
+
+
+def _dense_2d_backward(n_in, residuals, g):
+  x, kernel = residuals
+  rows, matrix = _as_matrices(x, kernel, n_in)
+  g = g.reshape(rows.shape[0], matrix.shape[1])
+  rows_t = rows.T
+  if jax.default_backend() == 'cpu':
+    # A copy of x's transpose of its own ([in, rows]): without the barrier XLA folds the transpose
+    # into the dot and lays out the output gradient transposed instead, inside the elementwise
+    # fusion that produces it.
+    rows_t = jax.lax.optimization_barrier(rows_t)
+  return (g @ matrix.T).reshape(x.shape), (rows_t @ g).reshape(kernel.shape)
+
+
+_dense_2d.defvjp(_dense_2d_forward, _dense_2d_backward)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from quant import lsq
-from quant.contraction import dense_dims
+from quant.contraction import dense_dims, dense_product
 from quant.fp8 import fp8_delayed_dot
 from quant.llm_int8 import llm_int8_dot
 from quant.recipe import MatmulRecipe
@@ -34,7 +34,7 @@ except ImportError as e:
 
 
 def _plain(x, kernel, n_in, recipe, layer_state):
-  return jax.lax.dot_general(x, kernel, dense_dims(x, n_in))
+  return dense_product(x, kernel, n_in)
 
 
 def _qwix(config_for):
@@ -92,6 +92,6 @@ def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulReci
   product accumulates into it and is never rounded to x's dtype (the head's fp32 logits); a
   quantized one is cast to it."""
   if out_dtype is not None and recipe.product == 'none':
-    return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=out_dtype)
+    return dense_product(x, kernel, n_in, out_dtype)
   y = _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)
   return y if out_dtype is None else y.astype(out_dtype)
