@@ -430,6 +430,24 @@ def test_the_same_step_gives_the_same_batch_on_one_or_two_processes(documents_di
   assert len(whole[0]["inputs"]) == 4 and whole[0]["inputs"].dtype == np.int32
 
 
+def test_the_feed_reads_ahead_but_records_the_position_of_the_batches_taken(documents_dir):
+  """train/feed.py: batches come in stream order while later ones are read ahead, and the state a
+  checkpoint records resumes at the batch after the last one taken."""
+  from train.feed import BatchFeed
+  shards = PreparedData(str(documents_dir)).split("train")
+  windows = Windows(shards, seq_len=4, packing=True)
+  expected = _take(TokenBatches(windows, global_batch_size=2, seed=3), 7)
+  stream = TokenBatches(windows, global_batch_size=2, seed=3)
+  feed = BatchFeed(stream, lambda rows: rows, depth=3)
+  taken = [feed.next() for _ in range(4)]
+  state = feed.get_state()
+  feed.close()
+  assert stream.get_state()["step"] > 4 and state["step"] == 4
+  resumed = TokenBatches(windows, global_batch_size=2, seed=3)
+  resumed.set_state(state)
+  _assert_same_batches(taken + _take(resumed, 3), expected)
+
+
 def test_resume_from_state_yields_the_same_next_batches(documents_dir):
   shards = PreparedData(str(documents_dir)).split("train")
   windows = Windows(shards, seq_len=4, packing=True)
