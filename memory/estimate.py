@@ -90,7 +90,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from models.attention import FLASH_BLOCK
+from models.attention import flash_block
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
 from precision.policy import Policy
@@ -207,7 +207,7 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   xla: the fp32 gradient of the probabilities, and the fp32 probabilities where they were
   recomputed or where the CPU copies them for its matmuls (bf16 compute on jax 0.10).
   Flash: fp32 accumulators of dq, dk and dv and the output gradient in the blocked layout, and
-  per row of the batch one block pair's fp32 probabilities, their gradient and the scores' gradient (FLASH_BLOCK squared, three times per query head:
+  per row of the batch one block pair's fp32 probabilities, their gradient and the scores' gradient (a flash block squared, three times per query head:
   measured at the tiny preset with two blocks, where they are a large part of the step)."""
   heads = cfg.num_heads / shape.tensor
   if not fused_attention(cfg, policy, shape.backend):
@@ -217,7 +217,7 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
     return copies * heads * shape.seq_len * FP32
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
-  block = min(FLASH_BLOCK, shape.seq_len)
+  block = min(flash_block(shape.backend), shape.seq_len)
   per_row_block = 3 * heads * block * block * FP32
   return (q + 2 * kv) * FP32 + q * c + heads * FP32 + per_row_block / shape.seq_len
 
@@ -324,11 +324,12 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none',
                                       shape.backend)
   else:
-    # Recomputed in bf16; on CPU about half of those values (the matmul operands) also exist as
-    # the fp32 copies its matmuls take.
-    gpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
-    cpu = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'cpu')
-    layer = {k: (gpu[k] + cpu[k]) / 2 for k in gpu}
+    # Recomputed in bf16, without the fp32 copies of matmul operands that the CPU keeps in the
+    # saved stacks: since the dense products run as 2-D matmuls with their own backward
+    # (quant/contraction.py), none stays beside the recomputed values at the layer's backward
+    # peak (measured, tiny fsdp bf16_mixed remat=full, 1024 positions in 64-position flash
+    # blocks: compiled 8.39 MB; this estimate -5.7 %, with half of them counted +14.6 %).
+    layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
   if cfg.remat != 'none' and not fused_attention(cfg, policy, shape.backend):
     # Recomputed, the scores come out of their matmul in fp32 and the probabilities are rounded
     # to 16 bits only as the operand of a matmul: the fp32 probabilities are counted at the
