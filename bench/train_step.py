@@ -22,6 +22,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from bench.measure import matmul_flops_per_sec, random_batches
+
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
 _STEPS = flags.DEFINE_integer('steps', 30, 'Timed steps (after the warm-up steps).')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed steps first (the first one compiles nothing: '
@@ -31,23 +33,12 @@ _MATMUL = flags.DEFINE_integer('matmul_size', None, 'Side of the square matmul t
 _OUT = flags.DEFINE_string('out', None, 'Also write the results as JSON to this file.')
 
 
-def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
-  a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), dtype)
-  matmul = jax.jit(lambda x, y: x @ y)
-  matmul(a, a).block_until_ready()
-  best = float('inf')
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(a, a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * size**3 / best
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from configs.hardware import datasheet
-  from data.windows import batch_keys
   from memory.compiled import GiB, device_memory_limit, peak_device_memory
   from models.attention import resolve
   from train import init_from
@@ -65,23 +56,13 @@ def main(argv):
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)
   train = config.train
-  rng = np.random.default_rng(0)
-
-  def batch():
-    # Random tokens, one document per row; the keys the step was compiled for (with packing on,
-    # `segments` too: all one segment, which costs the same as several).
-    tokens = rng.integers(0, s.model.vocab_size, (train.batch_size, train.seq_len + 1), np.int32)
-    arrays = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-              'segments': np.ones((train.batch_size, train.seq_len), np.int32)}
-    return {k: jax.device_put(arrays[k], s.batch_sharding)
-            for k in batch_keys(config.data.packing)}
 
   state = init_from.fresh_state(s)   # a frozen base (LoRA, QLoRA) drawn a layer at a time
   metrics = None
   for _ in range(_WARMUP.value):
-    state, metrics = compiled(state, batch())
+    state, metrics = compiled(state, random_batches(s, 1)[0])
   jax.block_until_ready((state, metrics))
-  batches = [batch() for _ in range(_STEPS.value)]
+  batches = random_batches(s, _STEPS.value)
   start = time.perf_counter()
   for b in batches:
     state, metrics = compiled(state, b)

@@ -2,6 +2,9 @@
 (its implementations: models/attention.py), SwiGLU or GELU MLP (Llama by default; GPT-2 through
 the model options in models/config.py).
 
+Each part runs under a name scope (`norm`, `attention`, `mlp`) that its operations carry into the
+compiled program, so a profile can tell them apart (bench/profile.py).
+
 Every block passes an `AdapterCall` (models/dense.py) down to its dense layers: LoRA dropout keys and
 the reference-rows mask; None when the model has no adapters or runs without dropout."""
 import jax
@@ -24,6 +27,7 @@ class RMSNorm(nnx.Module):
     self.policy = policy
     self.scale = logical_param(jnp.ones((dim,), policy.param_dtype), ('embed',))
 
+  @jax.named_scope('norm')
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -39,6 +43,7 @@ class LayerNorm(nnx.Module):
     self.scale = logical_param(jnp.ones((dim,), policy.param_dtype), ('embed',))
     self.bias = logical_param(jnp.zeros((dim,), policy.param_dtype), ('embed',))
 
+  @jax.named_scope('norm')
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
@@ -108,6 +113,7 @@ class Attention(nnx.Module):
     self.value = Dense(d, (kv, hd), axes=('embed', 'kv_heads', 'head_dim'), init_std=std, **dense)
     self.out = Dense((h, hd), d, axes=('heads', 'head_dim', 'embed'), init_std=out_std, **dense)
 
+  @jax.named_scope('attention')
   def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
                adapters: AdapterCall | None = None,
                segments: jax.Array | None = None) -> jax.Array:
@@ -157,6 +163,7 @@ class MLP(nnx.Module):
     self.up = Dense(d, m, axes=('embed', 'mlp'), init_std=cfg.init_std, **dense)
     self.down = Dense(m, d, axes=('mlp', 'embed'), init_std=out_std, **dense)
 
+  @jax.named_scope('mlp')
   def __call__(self, x: jax.Array, adapters: AdapterCall | None = None) -> jax.Array:
     on_gate, on_up, on_down = split_call(adapters, 3)
     if self.gate is None:

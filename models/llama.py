@@ -159,6 +159,7 @@ class Transformer(nnx.Module):
         None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))
     return x, self._head(head_call)
 
+  @jax.named_scope('embed')
   def _embed(self, tokens: jax.Array, positions: jax.Array):
     """The input of the first block [batch, length, d_model], and the rotary tables (None with
     learned positions, which are added here)."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 
+@jax.named_scope('loss')
 def token_losses(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
                  chunk: int = 0) -> jax.Array:
   """Losses [batch, length] in nats of `head(x)` (fp32 logits [batch, n, vocab] from hidden

@@ -161,6 +161,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     # were (so no non-finite value ever enters the state); the step counter moves on with the data.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
+    @jax.named_scope('optimizer')
     def update(state):
       # The learning rate is the schedule of the train step, skipped steps included.
       opt_state = schedule_at(state['opt_state'], state['step'])

@@ -1,0 +1,36 @@
+"""What the benchmarks measure the same way (no flags here: bench/train_step.py and bench/profile.py
+both import it): the matmul rate a machine reaches, and random batches on the devices."""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), dtype)
+  matmul = jax.jit(lambda x, y: x @ y)
+  matmul(a, a).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best
+
+
+def random_batches(s, count: int) -> list[dict]:
+  """`count` batches of random tokens on the devices, one document per row, with the keys the step
+  was compiled for (with packing on, `segments` too: all one segment, which costs the same as
+  several)."""
+  from data.windows import batch_keys
+  train = s.config.train
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(count):
+    tokens = rng.integers(0, s.model.vocab_size, (train.batch_size, train.seq_len + 1), np.int32)
+    arrays = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+              'segments': np.ones((train.batch_size, train.seq_len), np.int32)}
+    batches.append({k: jax.device_put(arrays[k], s.batch_sharding)
+                    for k in batch_keys(s.config.data.packing)})
+  return batches

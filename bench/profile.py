@@ -1,0 +1,354 @@
+"""Where a train step's time goes, for any config: `jax.profiler` traces read back and summed.
+
+Two parts, both in one command:
+
+1. **The compiled step alone** (on batches already on the device, like bench/train_step.py), traced
+   for `--steps` steps: the time of every XLA operation, as wall time (an operation split over
+   several threads counts once), grouped by the part of the model it belongs to (the name scopes
+   `embed`, `norm`, `attention`, `mlp`, `loss`, `optimizer`; forward and backward apart) and by what
+   it is (matmul, elementwise/reduce, copy/transpose, data movement, collective). Beside them: the
+   step's FLOPs from the compiled HLO's cost analysis and from the analytic count (6 per weight
+   per token plus attention, models/config.py), the matmul rate this machine reaches in the same run
+   (a large square matmul), and the fraction of it the step achieves; on a GPU with a datasheet
+   (configs/hardware.py) its MFU too.
+2. **The real training loop** (`train.run.train_and_evaluate`, in a scratch workdir), traced:
+   tokens/s against the step alone, and the data path: how long reading a batch and copying it to
+   the devices takes per step, and how much of that ran while the devices were computing (the feed
+   reads ahead, train/feed.py).
+
+  python -m bench.profile                                        # the default config (small)
+  python -m bench.profile --config=configs/default.py:100m --config.precision=bf16_mixed
+  python -m bench.profile --steps=10 --top=20 --out=profile.json --trace_dir=/tmp/trace
+
+Times are per step, in ms. On the CPU every thread's events are merged, so a matmul spread over
+both cores counts its wall time once; operations running at the same time on different threads
+(XLA:CPU runs independent ones concurrently) each count theirs, so the parts may sum to more than
+the step.
+"""
+import collections
+import contextlib
+import glob
+import gzip
+import io
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
+_STEPS = flags.DEFINE_integer('steps', 5, 'Traced steps (after the warm-up).')
+_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untraced steps first.')
+_TOP = flags.DEFINE_integer('top', 12, 'The slowest operations listed.')
+_LOOP = flags.DEFINE_bool('loop', True, 'Also trace the real training loop.')
+_TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the traces here (TensorBoard / Perfetto '
+                                 'read them); default: a scratch directory, removed.')
+_OUT = flags.DEFINE_string('out', None, 'Also write the results as JSON to this file.')
+
+REGIONS = ('embed', 'norm', 'attention', 'mlp', 'loss', 'optimizer')
+KINDS = ('matmul', 'elementwise', 'copy/transpose', 'data movement', 'collective', 'other')
+_COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+_MOVEMENT = ('dynamic-slice', 'dynamic-update-slice', 'gather', 'scatter', 'concatenate', 'pad',
+             'slice', 'broadcast', 'iota')
+_CONTAINERS = ('while', 'conditional', 'call', 'async-start', 'async-done')
+_MATMUL_CALLS = ('gemm', 'cublas', 'matmul', 'onednn', 'fmha', 'cudnn', 'triton')
+
+
+# ---- the compiled program: what each instruction is ---------------------------------------------
+def _computations(hlo: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines."""
+  bodies, name = {}, None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$', line)
+    if header and not line.startswith(' '):
+      name = header.group(1)
+      bodies[name] = []
+    elif name is not None and line.startswith('  '):
+      bodies[name].append(line)
+  return bodies
+
+
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([\w\-]+)\((.*)$')
+
+
+def _opcode(line: str) -> str | None:
+  match = _INSTRUCTION.match(line)
+  return match.group(3) if match else None
+
+
+def _region(op_name: str) -> str:
+  """The model part an instruction belongs to, from the name scopes in its op_name."""
+  for part in op_name.split('/'):
+    bare = re.sub(r'^(?:\w+\()+|\)+$', '', part)   # jvp(loss), transpose(jvp(mlp)) -> loss, mlp
+    if bare in REGIONS:
+      return bare
+  return 'other'
+
+
+def describe_instructions(hlo: str) -> dict[str, dict]:
+  """Instruction name -> {'kind', 'region', 'backward', 'shape'} for every instruction of the
+  compiled module (the names its trace events carry)."""
+  bodies = _computations(hlo)
+  described = {}
+  for body in bodies.values():
+    for line in body:
+      match = _INSTRUCTION.match(line)
+      if not match:
+        continue
+      name, shape, opcode, rest = match.groups()
+      if opcode in _CONTAINERS:   # their events span the operations inside, counted themselves
+        continue
+      op_name = re.search(r'op_name="([^"]*)"', rest)
+      op_name = op_name.group(1) if op_name else ''
+      called = re.search(r'calls=%?([\w.\-]+)', rest)
+      inner = [_opcode(l) for l in bodies.get(called.group(1), [])] if called else []
+      root = next((_opcode(l) for l in bodies.get(called.group(1), []) if 'ROOT' in l), None) \
+          if called else None
+      target = re.search(r'custom_call_target="([^"]*)"', rest)
+      target = target.group(1).lower() if target else ''
+      ops = {opcode, *inner}
+      if ops & {'dot', 'convolution'} or (opcode == 'custom-call' and
+                                          any(t in target for t in _MATMUL_CALLS)):
+        kind = 'matmul'
+      elif any(opcode.startswith(c) for c in _COLLECTIVES):
+        kind = 'collective'
+      elif (root or opcode) in ('copy', 'transpose') or opcode in ('copy', 'transpose'):
+        kind = 'copy/transpose'
+      elif (root or opcode) in _MOVEMENT:
+        kind = 'data movement'
+      elif opcode in ('fusion', 'add', 'multiply', 'subtract', 'divide', 'exponential', 'reduce',
+                      'select', 'compare', 'convert', 'maximum', 'negate', 'rsqrt', 'log', 'tanh'):
+        kind = 'elementwise'
+      else:
+        kind = 'other'
+      described[name] = {'kind': kind, 'region': _region(op_name),
+                         'backward': 'transpose(' in op_name, 'shape': shape}
+  return described
+
+
+# ---- the trace ---------------------------------------------------------------------------------
+def read_trace(directory: str) -> list[dict]:
+  """The complete ('X') events of the newest trace under `directory`, times in µs, each with
+  its thread's name."""
+  files = sorted(glob.glob(os.path.join(directory, '**', '*.trace.json.gz'), recursive=True),
+                 key=os.path.getmtime)
+  if not files:
+    raise RuntimeError(f'jax.profiler wrote no trace under {directory}')
+  with gzip.open(files[-1]) as f:
+    events = json.load(f)['traceEvents']
+  threads = {(e['pid'], e.get('tid')): e['args']['name'] for e in events
+             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
+  return [{**e, 'thread': threads.get((e['pid'], e.get('tid')), '')}
+          for e in events if e.get('ph') == 'X' and 'dur' in e]
+
+
+def _union(intervals) -> float:
+  """Total length covered by [start, end) intervals."""
+  total, reach = 0.0, -np.inf
+  for start, end in sorted(intervals):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+def op_events(events: list[dict], described: dict) -> list[dict]:
+  """Events of the program's instructions: a CPU thunk's name, or a GPU kernel's `hlo_op`."""
+  found = []
+  for e in events:
+    name = e.get('args', {}).get('hlo_op') or e['name']
+    if name in described:
+      found.append({**e, 'op': name})
+  return found
+
+
+def split_time(ops: list[dict], described: dict, steps: int) -> dict:
+  """ms per step by (region, forward/backward, kind), by kind, and per instruction: wall time,
+  each instruction's events merged across threads."""
+  by_group, by_kind, by_op = (collections.defaultdict(list) for _ in range(3))
+  for e in ops:
+    d = described[e['op']]
+    interval = (e['ts'], e['ts'] + e['dur'])
+    pass_ = 'backward' if d['backward'] else 'forward'
+    by_group[(d['region'], pass_, d['kind'])].append(interval)
+    by_kind[d['kind']].append(interval)
+    by_op[e['op']].append(interval)
+  ms = lambda intervals: _union(intervals) / 1e3 / steps
+  return {'groups': {'/'.join(k): ms(v) for k, v in by_group.items()},
+          'kinds': {k: ms(v) for k, v in by_kind.items()},
+          'ops': {k: ms(v) for k, v in by_op.items()},
+          'busy': ms([iv for v in by_kind.values() for iv in v])}
+
+
+# ---- the two measurements ----------------------------------------------------------------------
+def _options():
+  """No Python function events: they would swamp the trace's buffers (and the loop's own marks)."""
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  return options
+
+
+def profile_step(s, compiled, steps: int, warmup: int, trace_dir: str) -> dict:
+  from bench.measure import random_batches
+  from train import init_from
+  state = init_from.fresh_state(s)
+  batches = random_batches(s, max(steps, 2))
+  for i in range(warmup):
+    state, metrics = compiled(state, batches[i % len(batches)])
+  jax.block_until_ready(state)
+  jax.profiler.start_trace(trace_dir, profiler_options=_options())
+  start = time.perf_counter()
+  for i in range(steps):
+    state, metrics = compiled(state, batches[i % len(batches)])
+  jax.block_until_ready((state, metrics))
+  seconds = (time.perf_counter() - start) / steps
+  jax.profiler.stop_trace()
+  return {'step_seconds': seconds}
+
+
+def profile_loop(config, steps: int, warmup: int, trace_dir: str) -> dict:
+  """The real loop for warmup + steps steps in a scratch workdir, the last `steps` traced by
+  tokens/s (the loop's own figure) and by the feed's annotations."""
+  from train import run
+  total = warmup + steps
+  config = config.copy_and_resolve_references()
+  config.train.steps = total
+  config.train.log_every = warmup if warmup else total   # a row at the warm-up's end, then at the end
+  config.train.eval_every = total
+  config.train.checkpoint_every = total
+  config.train.eval_tokens = config.train.batch_size * config.train.seq_len
+  config.sample.length = 1
+  with tempfile.TemporaryDirectory() as workdir:
+    jax.profiler.start_trace(trace_dir, profiler_options=_options())
+    with contextlib.redirect_stdout(io.StringIO()):   # the run's own report: not this one's
+      run.train_and_evaluate(config, workdir)
+    jax.profiler.stop_trace()
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = {r['step']: r for r in map(json.loads, f)}
+  return {'tokens_per_sec': rows[total]['tokens_per_sec'], 'steps': steps}
+
+
+def loop_data_path(events: list[dict], ops: list[dict], steps: int) -> dict:
+  """The feed's reads (train/feed.py's annotations) during the traced loop: ms per step, and the
+  share of that time during which some XLA operation was running (the read overlapped compute)."""
+  reads = [(e['ts'], e['ts'] + e['dur']) for e in events
+           if e['name'] == 'data: read and copy to device']
+  if not reads:
+    return {'read_ms_per_step': None, 'overlap': None}
+  busy = sorted((e['ts'], e['ts'] + e['dur']) for e in ops)
+  overlapped = 0.0
+  for start, end in reads:
+    overlapped += _union([(max(a, start), min(b, end)) for a, b in busy if a < end and b > start])
+  read = sum(end - start for start, end in reads)
+  return {'read_ms_per_step': read / 1e3 / len(reads), 'overlap': overlapped / read if read else None,
+          'reads': len(reads)}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from bench.measure import matmul_flops_per_sec
+  from configs.hardware import datasheet
+  from train import compile_cache
+  from train.run import compile_train_step, setup
+
+  config = _CONFIG.value
+  if _STEPS.value < 2 or _WARMUP.value < 1:
+    raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
+                         f'least 2 and warmup at least 1')
+  compile_cache.enable(config.get('compile_cache', ''))
+  if config.get('host_devices'):
+    jax.config.update('jax_num_cpu_devices', config.host_devices)
+  sizes = list(config.mesh.values())
+  s = setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
+  compiled = compile_train_step(s)
+  described = describe_instructions(compiled.as_text())
+  train = config.train
+  tokens = train.batch_size * train.seq_len
+  steps = _STEPS.value
+
+  keep = _TRACE_DIR.value
+  scratch = tempfile.TemporaryDirectory()
+  root = keep or scratch.name
+  step_dir, loop_dir = os.path.join(root, 'step'), os.path.join(root, 'loop')
+  timing = profile_step(s, compiled, steps, _WARMUP.value, step_dir)
+  ops = op_events(read_trace(step_dir), described)
+  split = split_time(ops, described, steps)
+  step_ms = timing['step_seconds'] * 1e3
+
+  platform, device_kind = jax.devices()[0].platform, jax.devices()[0].device_kind
+  base_trains = not config.lora.rank
+  analytic = s.model.flops_per_token(train.seq_len, base_trains) * tokens
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hlo_flops = float(cost.get('flops', 0.0)) if cost else None
+  rate = matmul_flops_per_sec(2048 if platform == 'cpu' else 8192, s.policy.compute_dtype)
+  achieved = analytic / s.mesh.size / timing['step_seconds']
+  matmul_ms = split['kinds'].get('matmul', 0.0)
+  sheet = datasheet(device_kind)
+  results = {
+      'config': config.name, 'precision': s.policy.name, 'devices': s.mesh.size,
+      'platform': platform, 'device_kind': device_kind, 'batch_size': train.batch_size,
+      'seq_len': train.seq_len, 'step_ms': step_ms, 'tokens_per_sec': tokens / timing['step_seconds'],
+      'xla_busy_ms': split['busy'], 'kinds_ms': split['kinds'], 'groups_ms': split['groups'],
+      'analytic_flops': analytic, 'hlo_flops': hlo_flops, 'matmul_flops_per_sec': rate,
+      'model_flops_per_sec': achieved, 'fraction_of_matmul_rate': achieved / rate,
+      'matmul_ms_rate': analytic / s.mesh.size / (matmul_ms / 1e3) if matmul_ms else None,
+      'mfu_datasheet': achieved / sheet['peak_bf16'] if sheet else None,
+      'top_ops': sorted(({'op': k, 'ms': v, **described[k]} for k, v in split['ops'].items()),
+                        key=lambda r: -r['ms'])[:_TOP.value],
+  }
+
+  print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), batch {train.batch_size} '
+        f'x {train.seq_len} tokens: the compiled step alone, {steps} traced steps')
+  print(f'  step               {step_ms:8.1f} ms  ({results["tokens_per_sec"]:,.0f} tokens/s); XLA '
+        f'operations busy {split["busy"]:.1f} ms of it')
+  print(f'  {"ms per step":18s} ' + ' '.join(f'{k:>14s}' for k in KINDS) + f' {"total":>8s}')
+  for region in REGIONS + ('other',):
+    for pass_ in ('forward', 'backward'):
+      row = [split['groups'].get(f'{region}/{pass_}/{k}', 0.0) for k in KINDS]
+      if sum(row) >= 0.05:
+        print(f'  {region + " " + pass_[:3]:18s} ' + ' '.join(f'{v:14.1f}' for v in row)
+              + f' {sum(row):8.1f}')
+  print(f'  {"all":18s} ' + ' '.join(f'{split["kinds"].get(k, 0.0):14.1f}' for k in KINDS))
+  print(f'  FLOPs per step     {analytic / 1e9:.2f} GFLOP analytic (6 per weight per token + '
+        f'attention), ' + (f'{hlo_flops / 1e9:.2f} GFLOP in the compiled HLO\'s cost analysis '
+                           f'(which counts a loop body, such as the layers\' scan, once)'
+                           if hlo_flops else 'the HLO reports none'))
+  print(f'  matmul rate        {rate / 1e9:.1f} GFLOP/s measured ({"2048" if platform == "cpu" else "8192"}'
+        f'^2 matmul); the step achieves {achieved / 1e9:.1f} GFLOP/s, '
+        f'{100 * results["fraction_of_matmul_rate"]:.1f} % of it'
+        + (f'; its matmuls alone run at {results["matmul_ms_rate"] / 1e9:.1f} GFLOP/s'
+           if results['matmul_ms_rate'] else ''))
+  if sheet:
+    print(f'  MFU                {100 * results["mfu_datasheet"]:.1f} % of the datasheet '
+          f'{sheet["peak_bf16"] / 1e12:.0f} TFLOP/s (bf16 dense)')
+  print('  slowest operations (ms per step; inside the layers\' scan, all layers together):')
+  for r in results['top_ops']:
+    print(f'    {r["ms"]:7.2f}  {r["op"]:32s} {r["kind"]:14s} {r["region"]:9s} '
+          f'{"bwd" if r["backward"] else "fwd"}  {r["shape"][:40]}')
+
+  if _LOOP.value:
+    loop = profile_loop(config, steps, _WARMUP.value, loop_dir)
+    events = read_trace(loop_dir)
+    data = loop_data_path(events, op_events(events, described), steps)
+    results['loop'] = {**loop, **data}
+    print(f'the real training loop (train_and_evaluate), {steps} steps after {_WARMUP.value}:')
+    print(f'  throughput         {loop["tokens_per_sec"]:,.0f} tokens/s, '
+          f'{loop["tokens_per_sec"] / results["tokens_per_sec"]:.2f}x the step alone')
+    if data['read_ms_per_step'] is not None:
+      print(f'  data               {data["read_ms_per_step"]:.2f} ms per batch to read and copy to '
+            f'the devices, in a thread; {100 * data["overlap"]:.0f} % of it while XLA computed')
+  if _OUT.value:
+    with open(_OUT.value, 'w') as f:
+      json.dump(results, f, indent=2)
+  scratch.cleanup()
+
+
+if __name__ == '__main__':
+  app.run(main)
