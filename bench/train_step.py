@@ -106,6 +106,15 @@ def main(argv):
         f'({flops_per_token / 1e6:.2f} MFLOP/token{"" if base_trains else ", frozen base"})')
   print(f'  matmul rate        {reachable / 1e9:.2f} GFLOP/s ({matmul_size}^2 '
         f'{jnp.dtype(s.policy.compute_dtype).name} matmul, best of 10)')
+  if platform == 'cpu' and jnp.dtype(s.policy.compute_dtype) != jnp.float32:
+    # XLA:CPU's 16-bit dots are not always faster than fp32 ones (jax 0.10's are slower; 0.12's run
+    # bf16 at twice the fp32 rate on a CPU with AVX512_BF16): said where it is so.
+    fp32_rate = matmul_flops_per_sec(matmul_size, jnp.float32)
+    results['matmul_flops_per_sec_fp32'] = fp32_rate
+    if fp32_rate >= reachable:
+      print(f'  note               {jnp.dtype(s.policy.compute_dtype).name} matmuls run slower '
+            f'than fp32 ones here ({fp32_rate / 1e9:.2f} GFLOP/s) on this jaxlib '
+            f'({jax.__version__}): {s.policy.name} saves memory on this CPU, not time')
   print(f'  MFU                {100 * results["mfu"]:.1f} % of the measured matmul rate'
         + ('' if peak_flops is None else
            f', {100 * results["mfu_peak"]:.1f} % of the datasheet {peak_flops / 1e12:.0f} TFLOP/s'))
