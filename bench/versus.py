@@ -86,7 +86,6 @@ class OurStep:
   def __init__(self, spec: dict):
     import jax
     import numpy as np
-    from ml_collections import config_flags   # noqa: F401  (the config file's flags)
 
     import configs
     from configs.default import override
@@ -184,7 +183,7 @@ class OurLoop:
     command = [sys.executable, 'main.py', '--config=configs/default.py:small',
                f'--workdir={workdir}', *our_overrides(spec),
                f'--config.train.steps={warmup + steps}', f'--config.train.log_every={steps}',
-               f'--config.train.warmup_steps=1', f'--config.train.eval_every={warmup + steps}',
+               '--config.train.warmup_steps=1', f'--config.train.eval_every={warmup + steps}',
                f'--config.train.checkpoint_every={warmup + steps}',
                f'--config.train.eval_tokens={tokens}', '--config.sample.length=1']
     if warmup % steps:   # the interval must start after the warm-up: log at warmup, then at the end
