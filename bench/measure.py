@@ -19,6 +19,17 @@ def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
   return 2 * size**3 / best
 
 
+def bench_setup(config):
+  """train.run.setup for a benchmark: with no accelerator, `host_devices` simulated CPU devices
+  (as main.py); a mesh of fixed sizes on that many devices (one GPU of eight, say), one with -1 on
+  all of them."""
+  from train.run import setup
+  if config.get('host_devices'):
+    jax.config.update('jax_num_cpu_devices', config.host_devices)
+  sizes = list(config.mesh.values())
+  return setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
+
+
 def random_batches(s, count: int) -> list[dict]:
   """`count` batches of random tokens on the devices, one document per row, with the keys the step
   was compiled for (with packing on, `segments` too: all one segment, which costs the same as

@@ -252,20 +252,18 @@ def loop_data_path(events: list[dict], ops: list[dict], steps: int) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from bench.measure import matmul_flops_per_sec
+  from bench.measure import bench_setup, matmul_flops_per_sec
   from configs.hardware import datasheet
   from train import compile_cache
-  from train.run import compile_train_step, setup
+  from train.run import compile_train_step
 
   config = _CONFIG.value
   if _STEPS.value < 2 or _WARMUP.value < 1:
     raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
                          f'least 2 and warmup at least 1')
+  # The loop below compiles the same step again: with the cache on (the default) it loads this one.
   compile_cache.enable(config.get('compile_cache', ''))
-  if config.get('host_devices'):
-    jax.config.update('jax_num_cpu_devices', config.host_devices)
-  sizes = list(config.mesh.values())
-  s = setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
+  s = bench_setup(config)
   compiled = compile_train_step(s)
   described = describe_instructions(compiled.as_text())
   train = config.train

@@ -18,11 +18,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from bench.measure import matmul_flops_per_sec, random_batches
+from bench.measure import bench_setup, matmul_flops_per_sec, random_batches
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
 _STEPS = flags.DEFINE_integer('steps', 30, 'Timed steps (after the warm-up steps).')
@@ -42,17 +41,13 @@ def main(argv):
   from memory.compiled import GiB, device_memory_limit, peak_device_memory
   from models.attention import resolve
   from train import init_from
-  from train.run import compile_train_step, memory_report, setup
+  from train.run import compile_train_step, memory_report
 
   config = _CONFIG.value
   if _STEPS.value < 1 or _WARMUP.value < 0:
     raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
                          f'least 1 and warmup at least 0')
-  if config.get('host_devices'):   # as main.py: with no accelerator, simulate that many devices
-    jax.config.update('jax_num_cpu_devices', config.host_devices)
-  # A mesh of fixed sizes runs on that many devices (one GPU of eight, say); one with -1 on all.
-  sizes = list(config.mesh.values())
-  s = setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
+  s = bench_setup(config)
   compiled = compile_train_step(s)
   memory = memory_report(s, compiled)
   train = config.train
