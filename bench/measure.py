@@ -1,10 +1,19 @@
-"""What the benchmarks measure the same way (no flags here: bench/train_step.py and bench/profile.py
-both import it): the matmul rate a machine reaches, and random batches on the devices."""
+"""What the benchmarks measure the same way (no flags here: several benchmarks import it): the
+compared shapes, the matmul and streaming rates a machine reaches, and random batches on the devices."""
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The model and batch shapes bench/versus.py and bench/pieces.py compare. `issue`: the shape of
+# issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
+SHAPES = {
+    'issue': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
+                  head_dim=64, mlp_dim=1024, tie_embeddings=False, batch_size=8, seq_len=256),
+    'small': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                  head_dim=32, mlp_dim=768, tie_embeddings=True, batch_size=16, seq_len=128),
+}
 
 
 def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
@@ -17,6 +26,22 @@ def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:
     matmul(a, a).block_until_ready()
     best = min(best, time.perf_counter() - start)
   return 2 * size**3 / best
+
+
+def streaming_bytes_per_sec(nbytes: float, repeats: int = 10) -> float:
+  """Bytes per second that XLA moves through a plain elementwise op (x * 2 + 1 in fp32, reading
+  and writing `nbytes` in all, in place): the rate a fusion of that size could reach on this
+  machine. In place, so that no call pays for fresh pages of a new output buffer."""
+  values = max(int(nbytes // 8), 1)
+  x = jnp.ones((values,), jnp.float32)
+  stream = jax.jit(lambda x: x * 2 + 1, donate_argnums=0)
+  x = stream(x).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    x = stream(x).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 8 * values / best
 
 
 def bench_setup(config):

@@ -10,7 +10,10 @@ Two parts, both in one command:
    step's FLOPs from the compiled HLO's cost analysis and from the analytic count (6 per weight
    per token plus attention, models/config.py), the matmul rate this machine reaches in the same run
    (a large square matmul), and the fraction of it the step achieves; on a GPU with a datasheet
-   (configs/hardware.py) its MFU too.
+   (configs/hardware.py) its MFU too. The slowest operations other than matmuls come with the
+   bytes they read and write (from the HLO: a layer's slice of a stacked operand counts as the
+   slice) and the rate they move them at, beside a plain streaming op of the same size
+   (bench/measure.py): far below it, the compiler's code is the limit, not the memory.
 2. **The real training loop** (`train.run.train_and_evaluate`, in a scratch workdir), traced:
    tokens/s against the step alone, and the data path: how long reading a batch and copying it to
    the devices takes per step, and how much of that ran while the devices were computing (the feed
@@ -31,6 +34,7 @@ import glob
 import gzip
 import io
 import json
+import math
 import os
 import re
 import tempfile
@@ -90,10 +94,75 @@ def _region(op_name: str) -> str:
   return 'other'
 
 
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's4': 0.5, 'u4': 0.5,
+                'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4,
+                'f64': 8, 's64': 8, 'u64': 8}
+
+
+def shape_bytes(shape: str) -> float:
+  """Bytes of an HLO shape such as `f32[8,256]{1,0}` or a tuple of them (token: 0)."""
+  total = 0.0
+  for dtype, dims in re.findall(r'([a-z]+\d*[a-z\d]*)\[([\d,]*)\]', shape):
+    total += _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(',') if d)
+  return total
+
+
+def _operands(rest: str) -> list[str]:
+  """The operand names of an instruction, from the text after its opcode's '('."""
+  depth, end = 1, 0
+  for end, char in enumerate(rest):
+    depth += {'(': 1, ')': -1}.get(char, 0)
+    if depth == 0:
+      break
+  return re.findall(r'%([\w.\-]+)', rest[:end])
+
+
+def _moved_bytes(opcode: str, shape: str, operands: list[str], shapes: dict, body: list[str]) -> float:
+  """Bytes an instruction reads and writes once: its operands and its output, except that a slice
+  of a larger operand (a layer's slice of a scanned stack) reads only the slice, and an in-place
+  update of one writes only the update."""
+  sizes = [shape_bytes(shapes.get(o, '')) for o in operands]
+  written = shape_bytes(shape)
+  if opcode == 'dynamic-slice':
+    return 2 * written
+  if opcode == 'dynamic-update-slice':
+    return 2 * (sizes[1] if len(sizes) > 1 else 0)
+  if not body:
+    return written + sum(sizes)
+  # A fusion: which of its parameters are only sliced, and is its root an in-place update?
+  parameters, sliced, inner_shapes, root_update = {}, {}, {}, None
+  for line in body:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, inner_shape, inner_op, inner_rest = match.groups()
+    inner_shapes[name] = inner_shape
+    if inner_op == 'parameter':
+      parameters[name] = int(re.match(r'(\d+)', inner_rest).group(1))
+    args = _operands(inner_rest)
+    if inner_op == 'dynamic-slice' and args and args[0] in parameters:
+      sliced[parameters[args[0]]] = sliced.get(parameters[args[0]], 0) + shape_bytes(inner_shape)
+    if inner_op == 'dynamic-update-slice' and 'ROOT' in line and args and args[0] in parameters:
+      root_update = (parameters[args[0]], shape_bytes(inner_shapes.get(args[1], '')))
+  total = 0.0
+  for i, size in enumerate(sizes):
+    if root_update and i == root_update[0]:
+      continue   # updated in place: the buffer is neither read nor written whole
+    total += min(size, sliced[i]) if i in sliced else size
+  return total + (root_update[1] if root_update else written)
+
+
 def describe_instructions(hlo: str) -> dict[str, dict]:
-  """Instruction name -> {'kind', 'region', 'backward', 'shape'} for every instruction of the
-  compiled module (the names its trace events carry)."""
+  """Instruction name -> {'kind', 'region', 'opcode', 'backward', 'shape', 'bytes'} for every
+  instruction of the compiled module (the names its trace events carry); `opcode` is a fusion's
+  root's; `bytes` is what one execution reads and writes (`_moved_bytes`)."""
   bodies = _computations(hlo)
+  shapes = {}
+  for body in bodies.values():
+    for line in body:
+      match = _INSTRUCTION.match(line)
+      if match:
+        shapes[match.group(1)] = match.group(2)
   described = {}
   for body in bodies.values():
     for line in body:
@@ -106,9 +175,9 @@ def describe_instructions(hlo: str) -> dict[str, dict]:
       op_name = re.search(r'op_name="([^"]*)"', rest)
       op_name = op_name.group(1) if op_name else ''
       called = re.search(r'calls=%?([\w.\-]+)', rest)
-      inner = [_opcode(l) for l in bodies.get(called.group(1), [])] if called else []
-      root = next((_opcode(l) for l in bodies.get(called.group(1), []) if 'ROOT' in l), None) \
-          if called else None
+      called_body = bodies.get(called.group(1), []) if called else []
+      inner = [_opcode(l) for l in called_body]
+      root = next((_opcode(l) for l in called_body if 'ROOT' in l), None)
       target = re.search(r'custom_call_target="([^"]*)"', rest)
       target = target.group(1).lower() if target else ''
       ops = {opcode, *inner}
@@ -126,8 +195,9 @@ def describe_instructions(hlo: str) -> dict[str, dict]:
         kind = 'elementwise'
       else:
         kind = 'other'
-      described[name] = {'kind': kind, 'region': _region(op_name),
-                         'backward': 'transpose(' in op_name, 'shape': shape}
+      described[name] = {'kind': kind, 'region': _region(op_name), 'opcode': root or opcode,
+                         'backward': 'transpose(' in op_name, 'shape': shape,
+                         'bytes': _moved_bytes(opcode, shape, _operands(rest), shapes, called_body)}
   return described
 
 
@@ -167,9 +237,21 @@ def op_events(events: list[dict], described: dict) -> list[dict]:
   return found
 
 
+def _merged(intervals) -> list[tuple[float, float]]:
+  """Overlapping [start, end) intervals joined: one per execution of an operation whose work was
+  split over threads."""
+  merged = []
+  for start, end in sorted(intervals):
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    else:
+      merged.append((start, end))
+  return merged
+
+
 def split_time(ops: list[dict], described: dict, steps: int) -> dict:
   """ms per step by (region, forward/backward, kind), by kind, and per instruction: wall time,
-  each instruction's events merged across threads."""
+  each instruction's events merged across threads; and each instruction's executions per step."""
   by_group, by_kind, by_op = (collections.defaultdict(list) for _ in range(3))
   for e in ops:
     d = described[e['op']]
@@ -182,7 +264,21 @@ def split_time(ops: list[dict], described: dict, steps: int) -> dict:
   return {'groups': {'/'.join(k): ms(v) for k, v in by_group.items()},
           'kinds': {k: ms(v) for k, v in by_kind.items()},
           'ops': {k: ms(v) for k, v in by_op.items()},
+          'runs': {k: len(_merged(v)) / steps for k, v in by_op.items()},
           'busy': ms([iv for v in by_kind.values() for iv in v])}
+
+
+def memory_rates(top: list[dict]) -> None:
+  """Adds to each of the slowest operations other than matmuls the bytes it moves per step, the
+  rate it moves them at, and the rate a plain streaming op of the same size reaches here (bench/
+  measure.py): where an operation runs far below that, the compiler's code for it is the limit,
+  not the memory."""
+  from bench.measure import streaming_bytes_per_sec
+  for r in top:
+    if r['kind'] == 'matmul' or not r['bytes'] or not r['ms']:
+      continue
+    r['bytes_per_sec'] = r['bytes'] * r['runs'] / (r['ms'] / 1e3)
+    r['streaming_bytes_per_sec'] = streaming_bytes_per_sec(r['bytes'])
 
 
 # ---- the two measurements ----------------------------------------------------------------------
@@ -225,7 +321,8 @@ def profile_loop(config, steps: int, warmup: int, trace_dir: str) -> dict:
   config.sample.length = 1
   with tempfile.TemporaryDirectory() as workdir:
     jax.profiler.start_trace(trace_dir, profiler_options=_options())
-    with contextlib.redirect_stdout(io.StringIO()):   # the run's own report: not this one's
+    # The run's own report and progress bars: not this one's.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
       run.train_and_evaluate(config, workdir)
     jax.profiler.stop_trace()
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
@@ -298,9 +395,16 @@ def main(argv):
       'model_flops_per_sec': achieved, 'fraction_of_matmul_rate': achieved / rate,
       'matmul_ms_rate': analytic / s.mesh.size / (matmul_ms / 1e3) if matmul_ms else None,
       'mfu_datasheet': achieved / sheet['peak_bf16'] if sheet else None,
-      'top_ops': sorted(({'op': k, 'ms': v, **described[k]} for k, v in split['ops'].items()),
-                        key=lambda r: -r['ms'])[:_TOP.value],
+      'top_ops': sorted(({'op': k, 'ms': v, 'runs': split['runs'][k], **described[k]}
+                         for k, v in split['ops'].items()), key=lambda r: -r['ms'])[:_TOP.value],
   }
+  # The slowest of the rest apart: with the layers unrolled every matmul is an operation of its own
+  # and they fill the list above.
+  results['top_other_ops'] = [r for r in sorted(
+      ({'op': k, 'ms': v, 'runs': split['runs'][k], **described[k]}
+       for k, v in split['ops'].items()), key=lambda r: -r['ms'])
+      if r['kind'] != 'matmul'][:_TOP.value]
+  memory_rates(results['top_other_ops'])
 
   print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), batch {train.batch_size} '
         f'x {train.seq_len} tokens: the compiled step alone, {steps} traced steps')
@@ -326,10 +430,17 @@ def main(argv):
   if sheet:
     print(f'  MFU                {100 * results["mfu_datasheet"]:.1f} % of the datasheet '
           f'{sheet["peak_bf16"] / 1e12:.0f} TFLOP/s (bf16 dense)')
-  print('  slowest operations (ms per step; inside the layers\' scan, all layers together):')
+  print('  slowest operations (ms per step, all runs together):')
   for r in results['top_ops']:
-    print(f'    {r["ms"]:7.2f}  {r["op"]:32s} {r["kind"]:14s} {r["region"]:9s} '
+    print(f'    {r["ms"]:7.2f}  {r["op"]:28s} {r["kind"]:14s} {r["region"]:9s} '
           f'{"bwd" if r["backward"] else "fwd"}  {r["shape"][:40]}')
+  print('  slowest operations other than matmuls (MB moved per run x runs per step, GB/s, beside '
+        'the GB/s of a plain streaming op of that size here):')
+  for r in results['top_other_ops']:
+    rates = (f'{r["bytes"] / 1e6:6.1f} MB x {r["runs"]:3.0f} {r["bytes_per_sec"] / 1e9:6.1f} GB/s '
+             f'(stream {r["streaming_bytes_per_sec"] / 1e9:5.1f})' if 'bytes_per_sec' in r else '')
+    print(f'    {r["ms"]:7.2f}  {r["op"]:28s} {r["kind"]:14s} {r["region"]:9s} '
+          f'{"bwd" if r["backward"] else "fwd"}  {rates}  {r["shape"][:32]}')
 
   if _LOOP.value:
     loop = profile_loop(config, steps, _WARMUP.value, loop_dir)

@@ -29,14 +29,8 @@ import time
 
 from absl import app, flags
 
-# The model and batch shapes compared. `issue`: the shape of issue 29's table; `small`: the default
-# preset (configs/presets.py) at its training shape.
-SHAPES = {
-    'issue': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
-                  head_dim=64, mlp_dim=1024, tie_embeddings=False, batch_size=8, seq_len=256),
-    'small': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                  head_dim=32, mlp_dim=768, tie_embeddings=True, batch_size=16, seq_len=128),
-}
+from bench.measure import SHAPES
+
 PROGRAMS = ('torch', 'plain_jax', 'ours_step', 'ours_loop')
 MODEL_KEYS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
               'mlp_dim', 'tie_embeddings')

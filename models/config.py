@@ -6,7 +6,7 @@ from models.attention import ATTENTIONS
 REMAT_POLICIES = ('none', 'full', 'dots', 'qkv')
 # Fields that say how the step computes, not what the parameters are: a resume or a fine-tune may
 # change them freely, and a checkpoint or an imported model does not set them.
-COMPUTE_FIELDS = ('remat', 'attention', 'loss_chunk')
+COMPUTE_FIELDS = ('remat', 'attention', 'loss_chunk', 'scan_unroll')
 # Architecture options, so that one decoder covers Llama and GPT-2 (Hugging Face import/export):
 NORMS = ('rms', 'layer')          # RMSNorm (Llama) or LayerNorm with a bias (GPT-2)
 MLPS = ('swiglu', 'gelu')         # down(silu(gate x) * up x) (Llama) or down(gelu_tanh(up x)) (GPT-2)
@@ -31,6 +31,10 @@ class ModelConfig:
   remat: str = 'none'
   attention: str = 'auto'   # xla, flash, cudnn, or auto (models/attention.py)
   loss_chunk: int = 0       # > 0: the head and loss run this many positions at a time (models/loss.py)
+  # Blocks per iteration of the layer scan: 1 compiles one block whatever the depth; num_layers
+  # unrolls the stack (no stacked copies of the saved values: faster on a CPU at a few layers,
+  # compile time grows with the depth). The weights stay stacked either way.
+  scan_unroll: int = 1
   init_std: float = 0.02
   norm: str = 'rms'
   mlp: str = 'swiglu'
@@ -68,6 +72,11 @@ class ModelConfig:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
       raise ValueError(f'model.loss_chunk={chunk!r}; it must be 0 (the whole sequence at once) '
                        f'or a positive number of positions')
+    unroll = self.scan_unroll
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or not 1 <= unroll <= self.num_layers:
+      raise ValueError(f'model.scan_unroll={unroll!r}; it must be a whole number of blocks per '
+                       f'scan iteration, from 1 (rolled) to model.num_layers={self.num_layers} '
+                       f'(unrolled)')
     for name, allowed in (('remat', REMAT_POLICIES), ('attention', ATTENTIONS), ('norm', NORMS),
                           ('mlp', MLPS), ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):
       if getattr(self, name) not in allowed:

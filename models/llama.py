@@ -8,6 +8,7 @@ Packed rows (several documents per row) come with `segments` [batch, length], a 
 position (0: padding): attention stays within a document and positions restart at each.
 LoRA adapters (models/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
+import functools
 from typing import Any, Callable
 
 import jax
@@ -38,12 +39,13 @@ Stack = Callable[[Callable, Any, jax.Array, jax.Array | None, Any], jax.Array]
 
 
 def scan_layers(layer: Callable, layers, x: jax.Array, keys: jax.Array | None,
-                rows=None) -> jax.Array:
-  """The blocks one after another: a scan, so XLA compiles one block whatever the depth."""
+                rows=None, unroll: int = 1) -> jax.Array:
+  """The blocks one after another: a scan, so XLA compiles one block whatever the depth (`unroll`
+  blocks per iteration: `model.scan_unroll`)."""
   def body(x, inputs):
     params, key = inputs
     return layer(x, params, key, rows), None
-  return jax.lax.scan(body, x, (layers, keys))[0]
+  return jax.lax.scan(body, x, (layers, keys), unroll=unroll)[0]
 
 
 def segment_positions(segments: jax.Array) -> jax.Array:
@@ -153,7 +155,8 @@ class Transformer(nnx.Module):
 
     if cfg.remat != 'none':
       layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x = self.final_norm((stack or scan_layers)(layer, layers, x, layer_keys, row_inputs))
+    stack = stack or functools.partial(scan_layers, unroll=cfg.scan_unroll)
+    x = self.final_norm(stack(layer, layers, x, layer_keys, row_inputs))
 
     head_call = None if call is None else call.for_layer(
         None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))

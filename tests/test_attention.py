@@ -121,25 +121,33 @@ def _tiny(**fields):
   return cfg, *nnx.split(model)
 
 
-@pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
-def test_chunked_loss_equals_the_whole_sequence_loss(tie):
-  cfg, graphdef, params = _tiny(tie_embeddings=tie, attention='xla')
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 50), 0, cfg.vocab_size)
+def _same_loss_and_grads(cfg, graphdef, params, rows: int, field: str, reference, others,
+                         rtol: float):
+  """The mean loss and its gradients with `field` set to each of `others` are those with it set to
+  `reference`, within `rtol` of the reference's largest value."""
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (rows, 50), 0, cfg.vocab_size)
   targets = jnp.roll(tokens, -1, axis=1)
 
-  def loss(params, chunk):
+  def loss(params, value):
     model = nnx.merge(graphdef, params)
-    model.cfg = dataclasses.replace(cfg, loss_chunk=chunk)
+    model.cfg = dataclasses.replace(cfg, **{field: value})
     return model.token_losses(tokens, targets).mean()
 
   value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-  whole, whole_grads = value_and_grad(params, 0)
-  for chunk in (7,):   # 50 positions: seven whole chunks and a padded one
-    value, grads = value_and_grad(params, chunk)
-    # Each position's loss is computed alone; only the sums over positions are reordered.
-    assert abs(float(value - whole)) <= reordered_rtol(3 * 50) * float(whole)
-    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
-      assert jnp.max(jnp.abs(g - ref)) <= _bound(ref, reordered_rtol(3 * 50))
+  expected, expected_grads = value_and_grad(params, reference)
+  for other in others:
+    value, grads = value_and_grad(params, other)
+    assert abs(float(value - expected)) <= rtol * float(expected), (field, other)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+      assert jnp.max(jnp.abs(g - ref)) <= _bound(ref, rtol), (field, other)
+
+
+@pytest.mark.parametrize('tie', [True, False], ids=['tied', 'untied'])
+def test_chunked_loss_equals_the_whole_sequence_loss(tie):
+  cfg, graphdef, params = _tiny(tie_embeddings=tie, attention='xla')
+  # 50 positions: seven whole chunks of 7 and a padded one. Each position's loss is computed
+  # alone; only the sums over the 3 x 50 positions are reordered.
+  _same_loss_and_grads(cfg, graphdef, params, 3, 'loss_chunk', 0, (7,), reordered_rtol(3 * 50))
 
 
 def test_the_model_gives_the_same_logits_with_each_attention():
@@ -163,3 +171,20 @@ def test_bad_choices_are_refused_in_one_line():
     ModelConfig(**{**presets.model('tiny'), 'attention': 'paged'})
   with pytest.raises(ValueError, match=r'model.loss_chunk=-8'):
     ModelConfig(**{**presets.model('tiny'), 'loss_chunk': -8})
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_an_unrolled_layer_scan_equals_the_rolled_one(remat):
+  """model.scan_unroll changes how XLA runs the blocks, not what they compute: 2 (an iteration of
+  two blocks and a remainder of one) and 3 (unrolled) against 1. Each operation is the same;
+  fused differently, a sum over at most mlp_dim terms may be reordered in each of three layers."""
+  cfg, graphdef, params = _tiny(num_layers=3, attention='xla', remat=remat)
+  _same_loss_and_grads(cfg, graphdef, params, 2, 'scan_unroll', 1, (2, 3),
+                       3 * reordered_rtol(cfg.mlp_dim))
+
+
+def test_a_scan_unroll_outside_the_depth_is_refused():
+  for bad in (0, 3, True):
+    with pytest.raises(ValueError, match=rf'model.scan_unroll={bad!r}; .* from 1 \(rolled\) to '
+                                         r'model.num_layers=2'):
+      ModelConfig(**{**presets.model('tiny'), 'scan_unroll': bad})
