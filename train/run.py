@@ -103,7 +103,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None,
                             stack=None if schedule is None else pipelined(schedule),
-                            update_shardings=layout.update_shardings)
+                            update_shardings=layout.update_shardings,
+                            layer_writes=layout.layer_writes)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import optax
 from flax import nnx, traverse_util
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import ModelConfig, Transformer
 from models.dense import quantize_weights
@@ -83,6 +83,9 @@ class StateLayout:
   shardings: Any           # NamedSharding tree of the train state
   grad_shardings: Any      # where the gradients live (ZeRO-2 and up: sharded like the optimizer)
   update_shardings: Any    # where the optimizer's updates are formed: with its state (ZeRO-1 and up)
+  # Stacked weights stored whole but updated in shards (ZeRO-1/2): parameter path -> the sharding
+  # of one layer of it, which the step gathers each layer's new values to (train/step.py).
+  layer_writes: dict
   init: Callable[[], Any]  # jitted: creates the state already sharded
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
   init_optimizer: Callable[[Any], Any]   # jitted: a fresh optimizer state for given parameters
@@ -154,8 +157,32 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
   return StateLayout(graphdef, abstract, shardings, grad_sharding, moment_sharding,
+                     layer_writes(axes, params_sharding, moment_sharding),
                      jax.jit(init, out_shardings=shardings), init,
                      jax.jit(tx.init, out_shardings=opt_sharding))
+
+
+def layer_writes(axes, params_sharding, update_sharding) -> dict:
+  """Parameter path -> the sharding of one layer, for each weight stacked on an unsplit `layers`
+  axis whose stored sharding is not the one its update is formed in (ZeRO-1/2: stored whole,
+  updated in shards). Gathered whole at once, all of such a weight's new values would exist a
+  second time beside the weight (twice the stack at 70B: 140 GiB per device); gathered a layer at
+  a time into the weight's own (donated) buffer, one layer does."""
+  writes = {}
+  flat_axes = {jax.tree_util.keystr(path): leaf for path, leaf in
+               jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  flat_updates = dict(_keyed(update_sharding))
+  for path, stored in _keyed(params_sharding):
+    spec = tuple(stored.spec) + (None,) * (len(flat_axes[path]) - len(stored.spec))
+    if (flat_axes[path][:1] == ('layers',) and shard_ways(stored.mesh, spec[0]) == 1
+        and stored.spec != flat_updates[path].spec):
+      writes[path] = NamedSharding(stored.mesh, PartitionSpec(*spec[1:]))
+  return writes
+
+
+def _keyed(tree):
+  return [(jax.tree_util.keystr(path), leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def frozen_shardings(abstract_rest, frozen_shapes, mesh: Mesh, rules: LayoutRules):

@@ -58,9 +58,27 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   return jax.tree.map(split, batch)
 
 
+def apply_updates(params, updates, layer_writes: dict | None = None):
+  """optax.apply_updates, except that each weight named in `layer_writes` (stacked, stored whole,
+  updated in shards: ZeRO-1/2) gets its new values one layer at a time: a layer's slice is updated,
+  gathered to that layer's sharding and written into the weight's own buffer (donated, so in
+  place) before the next. Gathered at once, the whole stack's new values would be a second,
+  full-size copy (XLA gathers a non-leading dimension into a buffer of its own layout)."""
+  def one(path, p, u):
+    per_layer = (layer_writes or {}).get(jax.tree_util.keystr(path))
+    if per_layer is None:
+      return optax.apply_updates(p, u)
+
+    def write(layer, p):
+      new = jax.lax.with_sharding_constraint((p[layer] + u[layer]).astype(p.dtype), per_layer)
+      return jax.lax.dynamic_update_index_in_dim(p, new, layer, 0)
+    return jax.lax.fori_loop(0, p.shape[0], write, p)
+  return jax.tree_util.tree_map_with_path(one, params, updates)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
                     grad_shardings=None, per_device=None, dropout_seed: int | None = None,
-                    stack=None, update_shardings=None):
+                    stack=None, update_shardings=None, layer_writes=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -77,7 +95,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
 
   `update_shardings`: where the optimizer's updates are formed, beside its state (sharded from
   ZeRO-1 up): each device updates its slice, and under ZeRO-1/2 only the new weights' dtype is
-  gathered (bf16 with an fp32 master in the optimizer state, not the master)."""
+  gathered (bf16 with an fp32 master in the optimizer state, not the master).
+
+  `layer_writes`: parameter path -> one layer's sharding, for the stacked weights whose new values
+  are gathered (StateLayout.layer_writes): they are written one layer at a time."""
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -168,7 +189,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
       updates, opt_state = tx.update(grads, opt_state, params)
       if update_shardings is not None:
         updates = jax.lax.with_sharding_constraint(updates, update_shardings)
-      return {**state, 'params': optax.apply_updates(params, updates), 'opt_state': opt_state}
+      return {**state, 'params': apply_updates(params, updates, layer_writes),
+              'opt_state': opt_state}
 
     new_state = jax.lax.cond(finite, update, lambda state: state, state)
     new_state = {**new_state, 'step': state['step'] + 1}

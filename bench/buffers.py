@@ -1,0 +1,62 @@
+"""What the compiled train step holds at its memory peak, beside the estimate's terms.
+
+Compiles the step of any config (as the dry run does: nothing is allocated, any model size on
+simulated CPU devices) with XLA's dumps on, and prints the live buffers at the peak of its temp
+memory (memory/buffers.py): their shapes, sizes, and the JAX operation that made each (name
+scopes such as `mlp`, `attention`, `optimizer`; `transpose(...)` for the backward pass). This is
+how a gap between the estimate and the compiler is explained before either is changed.
+
+  python -m bench.buffers --config=configs/default.py:70b --config.host_devices=8 \\
+      --config.mesh.data=1 --config.mesh.fsdp=-1 --config.parallel.zero_stage=2 \\
+      --config.train.batch_size=8 --config.train.microbatches=1
+  python -m bench.buffers --top=30 --dump_dir=/tmp/dump     # keep XLA's dump files
+"""
+import tempfile
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
+_TOP = flags.DEFINE_integer('top', 15, 'The largest live buffers listed.')
+_DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Keep XLA\'s dumps here (default: a scratch '
+                                'directory, removed).')
+
+GiB = 2.0**30
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from bench.measure import bench_setup
+  from memory.buffers import compile_with_dumps, read_peak
+  from memory.compiled import format_bytes
+  from train.run import lower_train_step, memory_report
+
+  config = _CONFIG.value
+  s = bench_setup(config)
+  scratch = tempfile.TemporaryDirectory()
+  directory = _DUMP_DIR.value or scratch.name
+  lowered = lower_train_step(s)
+  with s.context():
+    compiled = compile_with_dumps(lowered, directory)
+  report = memory_report(s, compiled)
+  peak = read_peak(directory)
+  compiled_bytes, estimate = report['per_device_bytes'], report['estimate_bytes']
+  print(f'{config.name} on {s.mesh.size} devices {dict(s.mesh.shape)}, ZeRO-{report["zero_stage"]}, '
+        f'{s.policy.name}, remat {s.model.remat}, per device:')
+  print(f'  compiled   {format_bytes(compiled_bytes["total"])} = arguments '
+        f'{format_bytes(compiled_bytes["arguments"])} + outputs {format_bytes(compiled_bytes["outputs"])}'
+        f' - donated {format_bytes(compiled_bytes["aliased"])} + temp {format_bytes(compiled_bytes["temp"])}')
+  terms = ' + '.join(f'{k} {format_bytes(v)}' for k, v in estimate.items() if k != 'total' and v)
+  error = estimate['total'] / compiled_bytes['total'] - 1
+  print(f'  estimate   {format_bytes(estimate["total"])} = {terms} ({100 * error:+.1f} %)')
+  print(f'  temp peak  {format_bytes(peak.peak_bytes)} live while `{peak.at}` runs'
+        + (f' ({peak.at_op_name})' if peak.at_op_name else '') + f'; {len(peak.live)} buffers, '
+        f'the largest:')
+  for b in peak.live[:_TOP.value]:
+    print(f'    {b.size / GiB:10.4f} GiB  {b.shape[:40]:40s} {b.name[:32]:32s} {b.op_name}')
+  scratch.cleanup()
+
+
+if __name__ == '__main__':
+  app.run(main)
