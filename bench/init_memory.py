@@ -15,10 +15,8 @@ the seconds it took and the peak memory: the device allocator's peak where the d
 (a GPU), else the process's peak resident memory (a CPU: the runtime and the host allocator's
 freed-but-kept pages included).
 """
-import numpy as np
 from absl import app, flags, logging
 
-from bench.quant_runs import tree_bytes
 
 _CONFIGS = flags.DEFINE_multi_string(
     'config', ['configs/lora.py:7b', 'configs/qlora.py:7b', 'configs/qlora.py:20b'],
@@ -32,7 +30,6 @@ GB = 1e9
 def init_memory(spec: str) -> dict:
   """Compiled bytes of the whole initialiser and of the layer-by-layer pieces, on one device."""
   import jax
-  from flax import traverse_util
 
   import configs
   from train import init_from
@@ -46,29 +43,11 @@ def init_memory(spec: str) -> dict:
   config.train.batch_size, config.train.microbatches = 1, 1
   s = setup(config, devices=jax.devices()[:1])
   whole = s.layout.init.lower().compile().memory_analysis()
-  leaves = [leaf for leaf in init_from.base_leaves(s) if leaf.layer is not None]
-  rest = init_from.rest_initialiser(s, leaves).lower().compile().memory_analysis()
-  kernels = {leaf.path for leaf in leaves}
-  stored = traverse_util.flatten_dict(s.layout.abstract['frozen'],
-                                      is_leaf=lambda path, _: path in kernels)
-  shardings = traverse_util.flatten_dict(s.layout.shardings['frozen'],
-                                         is_leaf=lambda path, _: path in kernels)
-  largest = 0
-  for leaf in leaves:
-    store = init_from.storer(leaf, stored[leaf.path], shardings[leaf.path],
-                             s.spec.base_format)
-    stacked = len(leaf.source.shape) > len(leaf.layer.in_features) + len(leaf.layer.out_features)
-    value = init_from.layer_of(leaf.source) if stacked else leaf.source
-    args = (stored[leaf.path], value, np.int32(0)) if stacked else (value,)
-    temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    largest = max(largest, temp + tree_bytes(value))
-  state = tree_bytes(s.layout.abstract)
+  creation = init_from.creation_bytes(s)
   created = _create(s) if _CREATE.value else {}
-  return {**created, 'config': spec, 'state': state, 'base': s.spec.sizes()[1],
-          'whole_temp': whole.temp_size_in_bytes,
-          'rest': rest.output_size_in_bytes + rest.temp_size_in_bytes, 'largest_layer': largest,
-          'layered_peak': max(rest.output_size_in_bytes + rest.temp_size_in_bytes,
-                              state + largest)}
+  return {**created, 'config': spec, 'state': creation['state'], 'base': s.spec.sizes()[1],
+          'whole_temp': whole.temp_size_in_bytes, 'rest': creation['first_piece'],
+          'largest_layer': creation['largest_store'], 'layered_peak': creation['peak']}
 
 
 def _create(s) -> dict:

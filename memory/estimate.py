@@ -21,14 +21,17 @@ Model state (the step's arguments, and the gradients, which live through the who
   parameter's first sharded dimension where they divide its blocks and whole on every device where
   they do not (train/state.py); smaller tensors keep fp32 moments.
 
-The rest is the largest of three phases, each holding the gradients and whatever it adds:
+The rest is the largest of four phases, each holding the gradients and whatever it adds:
 - the head's backward pass (`activations`: the saved activations, the fp32 logits and their fp32
-  gradient, the compute-dtype gradient the head's matmul takes (for one chunk of positions with
+  gradient, the compute-dtype gradient the head's matmul takes (on XLA:CPU with bf16 compute an
+  fp32 copy of it takes that place, counted once with the two) (for one chunk of positions with
   `model.loss_chunk`), and the final norm's four fp32
   d_model rows; `temporaries`: the vocabulary copies below);
 - the layers' backward pass, one layer at a time (`activations`: the saved activations and the
   layer's working set below; `temporaries`: the layer's weight gradient, the vocabulary buffers
   still held);
+- between the two on XLA:CPU with bf16 compute, the saved stacks' conversion to fp32
+  (`stack_convert_bytes`: each stack in both dtypes while its convert runs);
 - the optimizer update (`update`, counted only where it exceeds the larger backward phase): one
   fp32 buffer of the (optimizer-sharded) parameters' size between the moments and the new
   weights, plus, with 16-bit weights, a copy of the weights and moments as they are rewritten.
@@ -89,11 +92,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from models.attention import flash_block
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
-from precision.policy import Policy
+from models.llama import Transformer
+from parallel.rules import layout_rules, mesh_axes, to_mesh_spec
+from parallel.sharding import logical_axes
+from precision.policy import Policy, get_policy
 
 FP32 = 4
 QUANTIZED_MIN_SIZE = 4096   # optim/adam8bit.py: smaller tensors keep fp32 moments
@@ -226,24 +233,29 @@ def _vocab_matrices(cfg: ModelConfig) -> int:
   return 1 if cfg.tie_embeddings else 2
 
 
+@functools.cache
+def _param_tensors(cfg: ModelConfig) -> tuple[tuple[int, tuple], ...]:
+  """(values, logical axes) of each parameter tensor of the model as it is built (abstractly:
+  nothing is allocated), whatever its block: SwiGLU or GELU, RMSNorm or LayerNorm, biases,
+  learned positions, tied or untied head."""
+  model = nnx.eval_shape(lambda: Transformer(cfg, policy=get_policy('fp32'),
+                                             rngs=nnx.Rngs(params=0)))
+  variables = jax.tree.leaves(nnx.state(model, nnx.Param),
+                              is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return tuple((math.prod(v.shape), logical_axes(v)) for v in variables)
+
+
 def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
   """(values, ways) of each parameter tensor as stored (the layers stacked on a leading axis):
   `ways` is how many ways its 8-bit moments split, the mesh axes of the parameter's first sharded
   dimension in the optimizer's layout (train/state.py blocks the moments from that dimension)."""
-  d, L, m = cfg.d_model, cfg.num_layers, cfg.mlp_dim
-  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  f = shape.fsdp if shape.zero_stage >= 1 else 1   # the embed dimension, from ZeRO-1 on
-  t = shape.tensor                                 # heads, kv_heads, mlp and vocab
-  first = lambda *ways: next((w for w in ways if w > 1), 1)
-  layers = [(d * q, first(f, t)), (d * kv, first(f, t)), (d * kv, first(f, t)),
-            (q * d, first(t, f)), (d * m, first(f, t)), (d * m, first(f, t)), (m * d, first(t, f)),
-            (d, f), (d, f)]
-  if shape.stages > 1:   # the stacked layer axis is split over `stage`: the first sharded dimension
-    layers = [(n, shape.stages) for n, _ in layers]
-  vocab = [(cfg.embedding_params, first(t, f))]           # [vocab, embed]
-  if not cfg.tie_embeddings:
-    vocab.append((cfg.embedding_params, first(f, t)))    # the head: [embed, vocab]
-  return vocab + [(L * n, ways) for n, ways in layers] + [(d, f)]
+  sizes = {'fsdp': shape.fsdp, 'tensor': shape.tensor, 'stage': shape.stages}
+  rules = layout_rules(shape.zero_stage).optimizer
+  leaves = []
+  for n, axes in _param_tensors(cfg):
+    ways = [math.prod(sizes.get(a, 1) for a in mesh_axes(part)) for part in to_mesh_spec(axes, rules)]
+    leaves.append((n, next((w for w in ways if w > 1), 1)))
+  return leaves
 
 
 def param_leaf_sizes(cfg: ModelConfig) -> list[int]:
@@ -361,18 +373,33 @@ def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dic
   return {'activations': 0, 'weights': 2 * layer['weights']}
 
 
-def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+def stack_convert_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """XLA:CPU with bf16 matmuls run in fp32: the saved stacks' fp32 copies are made in one convert
+  each, hoisted out of the backward layer scan, so while it runs a stack exists in the compute
+  dtype and in fp32 at once (70b ZeRO-3 x 4-way tensor on 8 devices, bench/buffers.py: the bf16
+  residual stack, 20 GiB, beside its 40 GiB fp32 copy at the peak). The compute-dtype bytes that
+  are converted: the difference between the stacks as the CPU holds them and as they were saved."""
+  if not upcasts(policy, shape.backend):
+    return 0
+  return (activation_bytes(cfg, policy, shape)
+          - activation_bytes(cfg, policy, dataclasses.replace(shape, backend='gpu')))
+
+
+def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                      frozen: bool = False) -> float:
   """XLA:CPU's fp32 copy of the stacked layer weights, converted once for the whole stack (the
   convert of a loop-invariant operand is hoisted out of the layer scan), where the matmuls run in
   bf16: of the weights themselves when they are stored in bf16 and neither gathered nor split
   layer by layer (ZeRO-3 gathers, and converts, one layer at a time; under tensor parallelism too
   XLA was seen to convert inside the scan), or else, without remat, of the bf16 cast that the
-  forward pass saved for the backward."""
+  forward pass saved for the backward. A `frozen` base (LoRA) has no gradient path through the
+  gathers, and under ZeRO-3 its shards are converted whole before them (7b LoRA, ZeRO-3 on 8
+  devices, bench/buffers.py: 3.0 GiB of fp32 shards of the stacked base at the peak)."""
   if not upcasts(policy, shape.backend):
     return 0
   weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
-  if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
-    return weights * FP32
+  if policy.param_bytes < FP32 and (frozen or not shape.gathers_params) and shape.tensor == 1:
+    return weights * FP32 / shape.shards(from_stage=3)
   if cfg.remat == 'none':
     return weights * FP32 / shape.shards(from_stage=3)
   return 0
@@ -388,23 +415,34 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The head multiplies by an fp32 table that is not the parameter: gathered, or the CPU's copy.
   table_copy = int(shape.gathers_params or cpu_bf16)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
-  # reduce-scatter until the end of the backward pass.
+  # reduce-scatter (see `held`).
   full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
   # With microbatches, loop-invariant copies are hoisted out of the microbatch loop and stay for
   # the whole step. Under ZeRO-3: the gathered tables, i.e. the lookup's and the head's, and on CPU
-  # with bf16 compute the head's as two fp32 copies, of its cast and in the transposed layout its
-  # matmul takes (a tied table stored in bf16 shares the lookup's copy). Otherwise the fp32 copy
+  # with bf16 compute the head's as an fp32 copy of its cast and a bf16 one in the transposed
+  # layout its matmul takes (1b ZeRO-3, 4 microbatches, bench/buffers.py; a tied table stored in
+  # bf16 shares the lookup's copy). Otherwise the fp32 copy
   # of the head's cast (CPU, bf16 compute).
   hoisted = 0
   if shape.microbatches > 1:
     if shape.gathers_params and cpu_bf16:
-      hoisted = 3 - int(cfg.tie_embeddings and policy.param_bytes < FP32)
+      hoisted = 2 + policy.compute_bytes / FP32 - int(cfg.tie_embeddings and policy.param_bytes < FP32)
     elif shape.gathers_params:
       hoisted = _vocab_matrices(cfg)
     else:   # on one tensor shard a tied table is also laid out transposed for the head
       hoisted = int(cpu_bf16) * (1 + int(cfg.tie_embeddings and shape.tensor == 1))
-  head = (max(table_copy, hoisted) + full_grads) * table
-  held = (hoisted + 2 * full_grads) * table
+  # ZeRO-3 with fp32 weights and bf16 compute on XLA:CPU: the forward's bf16 cast of the gathered
+  # table leaves its slot in XLA's heap under the saved stacks' fp32 copies, which outlive it, so
+  # the head's backward buffers are placed above it (1b ZeRO-3 on 8 and 64 devices,
+  # bench/buffers.py: temp 0.55 GiB above the largest live set, the cast's 0.49 GiB and its
+  # neighbours).
+  cast_slot = (policy.compute_bytes / FP32 if shape.gathers_params and cpu_bf16
+               and policy.param_bytes > policy.compute_bytes and cfg.remat != 'none' else 0)
+  head = (max(table_copy, hoisted) + full_grads + cast_slot) * table
+  # Held through the layers' backward: the lookup's gradient, and a tied table's head gradient,
+  # which waits to be summed with it; an untied head's is reduced as soon as it is formed (7b
+  # ZeRO-3 on 64 devices, bench/buffers.py: one [32000, 4096] fp32 gradient at the layer peak).
+  held = (hoisted + (1 + int(cfg.tie_embeddings)) * full_grads) * table
   # At the end of the backward pass the two full-size gradients are summed and reduced (on CPU an
   # all-reduce, then each device keeps its slice), its input and output beside them.
   reduction = (hoisted + 4 * full_grads) * table
@@ -412,8 +450,12 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # for the whole sequence, or with `model.loss_chunk` for one chunk of positions at a time.
   chunked = 0 < cfg.loss_chunk < shape.seq_len
   logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
+  # On XLA:CPU with bf16 compute the head's matmul takes an fp32 copy of the gradient (laid out
+  # transposed) in place of the 16-bit one: two fp32 buffers either way (1b ZeRO-2 on 8 devices,
+  # bench/buffers.py: the gradient and its transposed copy, no bf16 one).
+  sixteen_bit = policy.compute_bytes < FP32 and not cpu_bf16
   logits = logit_tokens * cfg.vocab_size / shape.tensor * (
-      2 * FP32 + (policy.compute_bytes if policy.compute_bytes < FP32 else 0))
+      2 * FP32 + (policy.compute_bytes if sixteen_bit else 0))
   # The final norm's input and output and their gradients, fp32.
   logits += 4 * shape.tokens * cfg.d_model * FP32
   return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
@@ -437,7 +479,7 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
     p = policy.param_bytes
-    return {'chain': cfg.num_params * (FP32 + (p if p < FP32 else 0)) / ways}
+    return {'chain': shape.stage_params(cfg) * (FP32 + (p if p < FP32 else 0)) / ways}
   # One slice of the largest tensor at a time: its gradient, moments and update in fp32.
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
@@ -454,7 +496,7 @@ def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing."""
   if shape.adam_bits != 32 or policy.param_bytes >= FP32 or shape.zero_stage == 0:
     return 0
-  return cfg.num_params * FP32 / shape.shards(from_stage=1)
+  return shape.stage_params(cfg) * FP32 / shape.shards(from_stage=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +531,11 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
   microbatch_grads = grads if shape.microbatches > 1 else 0
+  # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
+  # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
+  # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
+  pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
+                    / shape.shards(from_stage=2) if shape.stages > 1 and frozen is None else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time.
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
       shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches))
@@ -500,14 +547,23 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # whole-stack fp32 copy.
   # A quantized base is dequantized layer by layer inside the scan: no copy of the whole stack.
   stored = policy if frozen is None else dataclasses.replace(policy, param_dtype=policy.compute_dtype)
-  copies = 0 if frozen is not None and frozen.quantized else cpu_weight_copies(cfg, stored, shape)
-  common = microbatch_grads + copies
+  copies = 0 if frozen is not None and frozen.quantized else cpu_weight_copies(
+      cfg, stored, shape, frozen=frozen is not None)
+  common = microbatch_grads + copies + pipeline_grads
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
   layer_phase = {'activations': saved + ring + layer['activations'],
                  'temporaries': common + layer['weights'] + vocab['held']
                  + circular_chunk_weights(cfg, policy, shape)}
-  reduction_phase = {'activations': 0, 'temporaries': common + vocab['reduction']}
-  backward = max(head_phase, layer_phase, reduction_phase, key=lambda phase: sum(phase.values()))
+  # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
+  reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']}
+  # Before the layers run backward: the saved stacks converted to fp32 beside their 16-bit selves
+  # (XLA:CPU only), and the gradient reaching the last layer.
+  converted = stack_convert_bytes(cfg, policy, shape)
+  convert_phase = {'activations': saved + converted + ring
+                   + (shape.tokens * cfg.d_model * policy.compute_bytes if converted else 0),
+                   'temporaries': common + vocab['held']}
+  backward = max(head_phase, layer_phase, reduction_phase, convert_phase,
+                 key=lambda phase: sum(phase.values()))
   # The update holds the gradients and the update's buffers; the activations are gone by then.
   update_phase = update['chain']
   parts = {

@@ -20,8 +20,9 @@ def _gb(n: float) -> str:
 
 
 def compile_total(config, devices: int) -> int | str | None:
-  """The compiled per-device total of `config`'s train step on `devices` simulated CPU devices, or
-  why it did not compile. Each compile is `main.py --dry_run` of the config file in a child
+  """The compiled per-device peak of `config` on `devices` simulated CPU devices (its train step's
+  total, or creating its state where that needs more: a plan whose state cannot be created does
+  not fit), or why it did not compile. Each compile is `main.py --dry_run` of the config file in a child
   process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan down."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, 'candidate.py')
@@ -39,7 +40,10 @@ def compile_total(config, devices: int) -> int | str | None:
                      lines[-1] if lines else '')
       return f'did not compile ({failure.strip()[:160]})'
     with open(os.path.join(tmp, 'w', 'memory.json')) as f:
-      return json.load(f).get('per_device_bytes', {}).get('total')   # None: plan() says so
+      memory = json.load(f)
+    total = memory.get('per_device_bytes', {}).get('total')   # None: plan() says so
+    creation = memory.get('init_bytes', {}).get('peak')
+    return total if total is None or creation is None else max(total, creation)
 
 
 def write_config(path: str, config, header: str) -> None:

@@ -12,6 +12,7 @@ A chart is a dict:
   xlabel, ylabel     axis titles (default: the metric's header or the label's name)
   dodge              optional: spread the series that share an x apart by this fraction of the
                      x range (numeric x), so markers at one x stay readable; the title says so
+  where              optional: {label: [values]}: only the points whose labels take those values
 Points that share panel, series and x (seeds, say) are drawn as their mean with an error bar of
 the standard error over them (sd / sqrt(n)); a single point gets its `yerr`, if any.
 """
@@ -20,7 +21,7 @@ import os
 import textwrap
 
 CHART_KEYS = ('file', 'title', 'x', 'y', 'series', 'panels', 'kind', 'logx', 'logy', 'hline',
-              'hline_label', 'yerr', 'xlabel', 'ylabel', 'dodge')
+              'hline_label', 'yerr', 'xlabel', 'ylabel', 'dodge', 'where')
 
 
 def check_chart(chart: dict, labels: list[str], metrics: tuple[str, ...]) -> None:
@@ -43,6 +44,13 @@ def check_chart(chart: dict, labels: list[str], metrics: tuple[str, ...]) -> Non
     if key in chart and chart[key] not in labels:
       raise SweepError(f'chart {name}: {key}={chart[key]!r} is not a label of the sweep; '
                        f'labels: {", ".join(labels)}')
+  where = chart.get('where', {})
+  if not isinstance(where, dict) or not all(isinstance(v, (list, tuple)) for v in where.values()):
+    raise SweepError(f'chart {name}: where={where!r}; a dict of label -> list of values')
+  for key in where:
+    if key not in labels:
+      raise SweepError(f'chart {name}: where names {key!r}, not a label of the sweep; labels: '
+                       f'{", ".join(labels)}')
   if chart.get('kind', 'line') not in ('line', 'scatter'):
     raise SweepError(f'chart {name}: kind={chart["kind"]!r}; allowed: line, scatter')
 
@@ -55,7 +63,10 @@ def _title(column: str) -> str:
 def _groups(rows: list[dict], chart: dict) -> dict:
   """panel -> series -> [(x, mean y, error or None, n)], x in first-seen order."""
   out = {}
+  where = chart.get('where', {})
   for row in rows:
+    if any(row.get(label) not in values for label, values in where.items()):
+      continue
     x, y = row.get(chart['x']), row.get(chart['y'])
     if x is None or not isinstance(y, (int, float)):
       continue
@@ -99,6 +110,11 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
   categorical = any(isinstance(x, str) for p in groups.values() for s in p.values()
                     for x, *_ in s)
   pooled = any(n > 1 for p in groups.values() for s in p.values() for *_, n in s)
+  # One colour per series in every panel (first seen, first colour), so one legend reads them all.
+  colours = {}
+  for by_series in groups.values():
+    for series in by_series:
+      colours.setdefault(series, f'C{len(colours) % 10}')
   for ax, panel in zip(axes.flat, panels):
     all_x = [x for s in groups[panel].values() for x, *_ in s]
     spread = (chart.get('dodge', 0) * ((max(all_x) - min(all_x)) or 1.0)
@@ -113,7 +129,8 @@ def draw(chart: dict, rows: list[dict], directory: str) -> str | None:
                     for x in xs] if not categorical else [str(x) for x in xs])
       ys = [y for _, y, _, _ in points]
       errors = [e if e is not None else 0.0 for _, _, e, _ in points]
-      style = dict(marker='o', capsize=3, label=None if series is None else str(series))
+      style = dict(marker='o', capsize=3, label=None if series is None else str(series),
+                   color=colours[series])
       if chart.get('kind', 'line') == 'scatter':
         style['linestyle'] = 'none'
       if any(errors):

@@ -159,6 +159,12 @@ def _bytes_gb(*keys):
   return read
 
 
+def _estimate_error(f: PointFiles):
+  """The analytic estimate against the compiled total, in percent (+: the estimate is larger)."""
+  compiled, estimate = f.memory('per_device_bytes', 'total'), f.memory('estimate_bytes', 'total')
+  return None if not compiled or estimate is None else 100 * (estimate / compiled - 1)
+
+
 def _collective_gb(f: PointFiles):
   collectives = f.memory('collectives_per_step')
   return None if collectives is None else sum(c['bytes'] for c in collectives.values()) / GB
@@ -240,6 +246,7 @@ METRICS = {
     'calibrated_mfu': Metric('MFU the cost model would need', _calibrated_mfu, 3),
     'compiled_gb': Metric('compiled per device (GB)', _bytes_gb('per_device_bytes', 'total'), 2),
     'estimate_gb': Metric('estimate per device (GB)', _bytes_gb('estimate_bytes', 'total'), 2),
+    'estimate_error': Metric('estimate - compiled (%)', _estimate_error, 1),
     'estimate_gpu_gb': Metric('estimate on a GPU per device (GB)',
                               _bytes_gb('estimate_gpu_bytes', 'total'), 2),
     'peak_gb': Metric('peak device memory (GB)', _bytes_gb('peak_device_bytes'), 2),

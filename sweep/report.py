@@ -94,9 +94,11 @@ def markdown(sweep: Sweep, table: list[dict], command: str, charts: list[str]) -
                  '(initialisation and compilation included), against the analytic estimate on a '
                  'GPU; empty where the device does not report it (a CPU).')
   if any(m in sweep.metrics for m in ('compiled_gb', 'estimate_gb', 'estimate_gpu_gb')):
-    notes.append('GB = 1e9 bytes. "Compiled" is XLA\'s memory analysis of the compiled step on '
-                 'this machine\'s backend; "estimate on a GPU" the analytic model without '
-                 'XLA:CPU\'s fp32 copies of bf16 matmul operands.')
+    from importlib.metadata import version
+    notes.append(f'GB = 1e9 bytes. "Compiled" is XLA\'s memory analysis of the compiled step on '
+                 f'this machine\'s backend (jax {version("jax")}, jaxlib {version("jaxlib")}); '
+                 f'"estimate on a GPU" the analytic model without XLA:CPU\'s fp32 copies of bf16 '
+                 f'matmul operands.')
   if notes:
     lines += [''] + [f'- {n}' for n in notes]
   name = lambda r: '_'.join(f'{k}={r[k]}' for k in sweep.labels if k in r)

@@ -83,6 +83,10 @@ def test_grid_mistakes_are_refused():
      " points=axis('train.seed', [0]), metrics=('final_loss',),"
      " charts=[dict(file='a.png', title='a', x='seed', y='tokens_per_sec')])\n",
      "chart a.png: y='tokens_per_sec' is not a label or metric of the sweep"),
+    ("def get_sweep():\n  return dict(title='t', command='train', config='configs/default.py',"
+     " points=axis('train.seed', [0]), metrics=('final_loss',),"
+     " charts=[dict(file='a.png', title='a', x='seed', y='final_loss', where={'model': ['7b']})])\n",
+     "chart a.png: where names 'model', not a label of the sweep; labels: seed"),
 ])
 def test_bad_sweep_files_are_refused_in_one_line(tmp_path, body, message):
   with pytest.raises(SweepError, match=message):
@@ -299,3 +303,12 @@ def test_a_sweep_file_that_raises_is_reported_in_one_line(tmp_path):
   path = _sweep_file(tmp_path, "def get_sweep():\n  return dict(title=undefined_name)\n", 'b.py')
   with pytest.raises(SweepError, match=r"b.py: NameError: name 'undefined_name' is not defined"):
     spec.load(path)
+
+
+def test_a_chart_draws_only_the_points_its_where_names():
+  from sweep.charts import _groups
+  rows = [{'model': m, 'devices': d, 'error': e}
+          for m, d, e in (('1b', 8, 1.0), ('1b', 64, 2.0), ('1b-lora', 8, 9.0))]
+  groups = _groups(rows, dict(x='devices', y='error', where={'model': ['1b']}))
+  # The case shares the grid's x but not its model: left out, not averaged in.
+  assert groups == {None: {None: [(8, 1.0, None, 1), (64, 2.0, None, 1)]}}

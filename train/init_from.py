@@ -372,3 +372,50 @@ def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, sharding) -> jax.Arra
   if kernel.ndim > n_in + len(dense.out_features):
     one = jax.vmap(one)
   return jax.jit(one, out_shardings=sharding)(kernel)
+
+
+def device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of sharded abstract arrays (the largest shard of each)."""
+  return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * jnp.dtype(leaf.dtype).itemsize
+             for leaf in jax.tree.leaves(tree))
+
+
+def _peak(compiled) -> int:
+  """A compiled creation piece's own peak on one device: what it returns and its temporaries."""
+  stats = compiled.memory_analysis()
+  return int(stats.output_size_in_bytes) + int(stats.temp_size_in_bytes)
+
+
+def creation_bytes(s, source: Source | None = None) -> dict:
+  """Per-device bytes while a fresh run creates its state, from compiled memory analyses (nothing
+  is allocated), as `fresh_state` creates it: `peak`, the largest of its pieces, and `state`,
+  what is left at the end. Jitted whole (no base to load): the initialiser's outputs and
+  temporaries. Loaded or drawn weight by weight: the first piece (everything but the base,
+  `first_piece`), then, as a bound, the whole state with one weight (or one layer of a stacked
+  one) being stored (`largest_store`: its float values and the store's temporaries), and where the
+  loaded weights train, the optimizer state made from them."""
+  state = device_bytes(s.layout.abstract)
+  if source is None and 'frozen' not in s.layout.abstract:
+    peak = _peak(s.layout.init.lower().compile())
+    return {'peak': peak, 'state': state, 'first_piece': peak, 'largest_store': 0}
+  spec, layout = s.spec, s.layout
+  kernels_only = source is None or source.kernels_only
+  leaves = [leaf for leaf in base_leaves(s) if leaf.layer is not None or not kernels_only]
+  quantized = {leaf.path for leaf in leaves if leaf.quantized}
+  where = 'frozen' if spec.adapters else 'params'
+  stored = _flat(layout.abstract[where], quantized)
+  shardings = _flat(layout.shardings[where], quantized)
+  first_piece = _peak(rest_initialiser(s, leaves).lower().compile())
+  largest_store = 0
+  for leaf in leaves:
+    store = storer(leaf, stored[leaf.path], shardings[leaf.path], spec.base_format)
+    value = layer_of(leaf.source) if _stacked(leaf) else leaf.source
+    args = (stored[leaf.path], value, np.int32(0)) if _stacked(leaf) else (value,)
+    temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    largest_store = max(largest_store, int(temp) + device_bytes(value))
+  peak = max(first_piece, state + largest_store)
+  if where == 'params':
+    optimizer = layout.init_optimizer.lower(layout.abstract['params']).compile().memory_analysis()
+    peak = max(peak, state + int(optimizer.temp_size_in_bytes))
+  return {'peak': peak, 'state': state, 'first_piece': first_piece,
+          'largest_store': largest_store}

@@ -239,6 +239,8 @@ def dry_run(config, workdir: str) -> dict:
       _check_checkpoints(s, checkpoints)
       checkpoints.close()
     _, memory = compile_and_report(s)
+    # The state's creation, as a run makes it: its peak may exceed the step's (a whole-stack draw).
+    memory['init_bytes'] = init_from.creation_bytes(s, source)
     print_summary(s, memory)
     _write_json(os.path.join(workdir, 'memory.json'), memory)
   return memory

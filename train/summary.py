@@ -48,6 +48,11 @@ def print_summary(s, memory: dict) -> None:
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
         + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
+  if 'init_bytes' in memory:
+    init = memory['init_bytes']
+    print(f'            creating the state, compiled: peak {b(init["peak"])} per device (the state '
+          f'itself {b(init["state"])})'
+          + ('; above the step\'s' if init['peak'] > compiled['total'] else ''))
   if s.mesh.devices.flat[0].platform == 'cpu':
     print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (without '
           f'XLA:CPU\'s fp32 copies of bf16 matmul operands)')

@@ -1,0 +1,101 @@
+"""The memory estimate itself measured: the analytic per-device total (memory/estimate.py) against
+the compiled one, with the error in percent, over every layout at every scale and the features
+that change what a step holds.
+
+  python -m sweep --sweep=sweeps/estimate.py --workdir=runs/sweep-estimate
+
+Dry runs only (compiled on simulated CPU devices, nothing allocated; the compiled figure is the
+installed jax's XLA:CPU, which results.md names). Points, bf16 compute with fp32 master weights
+and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unless named:
+- the FSDP-against-DDP grid: the 100m, 1b, 7b and 70b presets x 8, 64 and 512 devices x DDP,
+  ZeRO-1, ZeRO-2, ZeRO-3 and ZeRO-3 with 4-way tensor parallelism (sweeps/fsdp_vs_ddp.py's);
+- GPT-2 shapes (LayerNorm, GELU MLP, biases, learned positions) at 100m and 1b on 8 devices;
+- precisions and 8-bit Adam at 1b (ZeRO-3, 8 devices), and the presets' own microbatches;
+- pipelines at 7b (4 stages x 2-way FSDP): GPipe and circular;
+- LoRA and QLoRA at 7b and 20b (8 devices, and QLoRA 20b on one);
+- long context: 7b at 16k and 32k tokens (ZeRO-3, 8 devices);
+- the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8.
+A point's `model` names its case (`7b-32k`, `1b-fp32`), so no two cases share a line.
+"""
+from sweep.grid import axis, choices, product, zipped
+from sweeps.fsdp_vs_ddp import DEVICES, LAYOUTS, MODELS
+
+EIGHT = {'host_devices': 8, 'train.batch_size': 8}
+GPT2 = {'model.norm': 'layer', 'model.mlp': 'gelu', 'model.positions': 'learned',
+        'model.bias': True, 'model.rope_scaling': 'none'}
+
+
+def case(model: str, layouts: dict, **overrides) -> list:
+  """One named case on 8 devices, one point per layout."""
+  return product(choices('model', {model: {**EIGHT, **overrides}}), choices('devices', {8: {}}),
+                 choices('layout', layouts))
+
+
+def get_sweep():
+  devices = zipped(axis('host_devices', DEVICES, label='devices'),
+                   axis('train.batch_size', DEVICES, label=''))   # one sequence per device
+  grid = product(choices('model', MODELS), devices, choices('layout', LAYOUTS))
+  cases = [
+      *case('gpt2-100m', {k: LAYOUTS[k] for k in ('ddp', 'zero2', 'zero3', 'zero3_tp4')},
+            config='configs/default.py:100m', **GPT2),
+      *case('gpt2-1b', {k: LAYOUTS[k] for k in ('zero2', 'zero3')}, config='configs/default.py:1b',
+            **GPT2),
+      *case('1b-fp32', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:1b', precision='fp32'),
+      *case('1b-bf16_master', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:1b',
+            precision='bf16_master'),
+      *case('1b-bf16', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:1b', precision='bf16'),
+      *case('1b-adam8', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:1b',
+            **{'quant.adam_bits': 8}),
+      *case('1b-fp8', {'zero3': LAYOUTS['zero3']}, config='configs/fp8.py:1b'),
+      *case('1b-int8', {'zero3': LAYOUTS['zero3']}, config='configs/int8.py:1b'),
+      *case('1b-4microbatches', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:1b',
+            **{'train.batch_size': 32, 'train.microbatches': 4}),
+      *case('7b-gpipe', {'pipeline4': {'mesh.stage': 4, 'mesh.fsdp': 2, 'mesh.data': 1,
+                                       'parallel.zero_stage': 3,
+                                       'parallel.pipeline_microbatches': 4}},
+            config='configs/pipeline.py:7b'),
+      *case('7b-circular', {'pipeline4': {'mesh.stage': 4, 'mesh.fsdp': 2, 'mesh.data': 1,
+                                          'parallel.zero_stage': 3,
+                                          'parallel.pipeline_microbatches': 4,
+                                          'parallel.pipeline_schedule': 'circular',
+                                          'parallel.pipeline_repeats': 2}},
+            config='configs/pipeline.py:7b'),
+      *case('7b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:7b'),
+      *case('7b-qlora', {'zero3': LAYOUTS['zero3']}, config='configs/qlora.py:7b'),
+      *case('20b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:20b'),
+      *case('20b-qlora', {'zero3': LAYOUTS['zero3']}, config='configs/qlora.py:20b'),
+      *case('7b-16k', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:7b',
+            **{'train.seq_len': 16384, 'model.max_seq_len': 16384}),
+      *case('small-fp32', {'zero3': LAYOUTS['zero3']}, config='configs/default.py',
+            precision='fp32', **{'model.remat': 'none', 'train.batch_size': 16}),
+      *case('7b-32k', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:7b',
+            **{'train.seq_len': 32768, 'model.max_seq_len': 32768}),
+  ]
+  one_device = product(choices('model', {
+      '20b-qlora': {'config': 'configs/qlora.py:20b', 'host_devices': 1, 'train.batch_size': 1},
+      # The default run (`python main.py`): the small preset in fp32 without remat.
+      'small-fp32': {'config': 'configs/default.py', 'host_devices': 1, 'train.batch_size': 16,
+                     'precision': 'fp32', 'model.remat': 'none'}}),
+                       choices('devices', {1: {}}),
+                       choices('layout', {'single': {'mesh.fsdp': 1, 'mesh.data': 1,
+                                                     'mesh.tensor': 1}}))
+  return dict(
+      title='The memory estimate against the compiler: every layout, scale and feature',
+      command='dry_run',
+      config='configs/default.py',
+      overrides={'precision': 'bf16_mixed', 'model.remat': 'full', 'train.microbatches': 1},
+      points=[*grid, *cases, *one_device],
+      metrics=('params_m', 'compiled_gb', 'estimate_gb', 'estimate_error', 'wall_s'),
+      charts=(
+          dict(file='error.png', x='devices', y='estimate_error', series='layout', panels='model',
+               where={'model': list(MODELS)}, logx=True, hline=5, hline_label='+5 %',
+               ylabel='estimate - compiled (% of compiled)',
+               title='The analytic estimate against the compiled per-device total as devices '
+                     'are added'),
+          dict(file='cases.png', x='model', y='estimate_error', series='layout', kind='scatter',
+               where={'model': [p.labels['model'] for p in [*cases, *one_device]]},
+               hline=5, hline_label='+5 %', ylabel='estimate - compiled (% of compiled)',
+               title='The analytic estimate against the compiled per-device total: GPT-2 shapes, '
+                     'precisions, pipelines, LoRA, long context, the default run'),
+      ),
+  )
