@@ -45,7 +45,8 @@ Saved activations, per token per layer (`saved_per_token_per_layer`). Without re
 (heads x head_dim each), key and value (kv_heads x head_dim each), the fp32 attention scores and the
 probabilities (heads x length each; with a fused attention, flash or cuDNN (models/attention.py),
 the blocked copies of q, k, v and the output its kernel takes and an fp32 log-sum-exp per head
-instead: nothing of length x length), 6 mlp_dim rows of the SwiGLU. `full` keeps the residual
+instead, nothing of length x length, and of the unblocked four only the output), 6 mlp_dim rows of
+the SwiGLU. `full` keeps the residual
 stream; `dots` also the outputs of the matmuls without batch dimensions (query, key, value, gate,
 up) and one more d_model row; `qkv` the residual stream, query, key and value. Tensor parallelism
 splits all but the d_model rows. The layers are scanned, so every layer's saved values are stacked
@@ -177,9 +178,13 @@ def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, te
   q, kv = cfg.num_heads * hd / tensor, cfg.num_kv_heads * hd / tensor
   mlp = cfg.mlp_dim / tensor
   if remat == 'none':
+    # A fused attention's backward reads its own blocked copies (in attention_scores), so of
+    # query, key, value and output only the output stays, the output projection's input (small
+    # preset, fp32, flash, one device, bench/buffers.py: the saved stacks hold no other).
+    fused = fused_attention(cfg, policy, backend)
     return {
         'residual_and_norms': 4 * d * FP32 + 2 * d * c,   # fp32 norm inputs, normed outputs
-        'qkv': (2 * q + 2 * kv) * c,                       # query, key, value, attention output
+        'qkv': (q if fused else 2 * q + 2 * kv) * c,       # query, key, value, attention output
         'attention_scores': _attention_saved(cfg, policy, seq_len, tensor, backend),
         'mlp': 6 * mlp * c,                                # SwiGLU's gate, up and their products
     }
@@ -253,7 +258,8 @@ def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
   rules = layout_rules(shape.zero_stage).optimizer
   leaves = []
   for n, axes in _param_tensors(cfg):
-    ways = [math.prod(sizes.get(a, 1) for a in mesh_axes(part)) for part in to_mesh_spec(axes, rules)]
+    ways = [math.prod(sizes.get(a, 1) for a in mesh_axes(part))
+            for part in to_mesh_spec(axes, rules)]
     leaves.append((n, next((w for w in ways if w > 1), 1)))
   return leaves
 
@@ -426,7 +432,8 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   hoisted = 0
   if shape.microbatches > 1:
     if shape.gathers_params and cpu_bf16:
-      hoisted = 2 + policy.compute_bytes / FP32 - int(cfg.tie_embeddings and policy.param_bytes < FP32)
+      hoisted = (2 + policy.compute_bytes / FP32
+                 - int(cfg.tie_embeddings and policy.param_bytes < FP32))
     elif shape.gathers_params:
       hoisted = _vocab_matrices(cfg)
     else:   # on one tensor shard a tied table is also laid out transposed for the head
@@ -459,6 +466,17 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The final norm's input and output and their gradients, fp32.
   logits += 4 * shape.tokens * cfg.d_model * FP32
   return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
+
+
+def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """A pipeline's backward without remat takes each iteration's slice of the saved MLP stacks, all
+  the stage's layers at once, as copies (tiny pipeline, fp32, 4 stages x 2 layers, bench/buffers.py:
+  six [2 layers, 64 positions, 192] fp32 copies at the peak, one per saved MLP row)."""
+  if shape.stages == 1 or cfg.remat != 'none':
+    return 0
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', shape.backend)
+  layers = cfg.num_layers / (shape.stages * shape.repeats)
+  return shape.tokens / shape.pipeline_microbatches * layers * saved['mlp']
 
 
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -551,7 +569,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
       cfg, stored, shape, frozen=frozen is not None)
   common = microbatch_grads + copies + pipeline_grads
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
-  layer_phase = {'activations': saved + ring + layer['activations'],
+  layer_phase = {'activations': (saved + ring + layer['activations']
+                                 + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + layer['weights'] + vocab['held']
                  + circular_chunk_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
