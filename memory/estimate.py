@@ -348,6 +348,11 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     # peak (measured, tiny fsdp bf16_mixed remat=full, 1024 positions in 64-position flash
     # blocks: compiled 8.39 MB; this estimate -5.7 %, with half of them counted +14.6 %).
     layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
+  if cfg.remat != 'none':
+    # Recomputed, the forward pass makes the unblocked query, key and value again on the way.
+    q = cfg.num_heads * cfg.head_dim / shape.tensor
+    kv = cfg.num_kv_heads * cfg.head_dim / shape.tensor
+    layer['qkv'] = (2 * q + 2 * kv) * policy.compute_bytes
   if cfg.remat != 'none' and not fused_attention(cfg, policy, shape.backend):
     # Recomputed, the scores come out of their matmul in fp32 and the probabilities are rounded
     # to 16 bits only as the operand of a matmul: the fp32 probabilities are counted at the
@@ -381,34 +386,50 @@ def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dic
 
 def stack_convert_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """XLA:CPU with bf16 matmuls run in fp32: the saved stacks' fp32 copies are made in one convert
-  each, hoisted out of the backward layer scan, so while it runs a stack exists in the compute
-  dtype and in fp32 at once (70b ZeRO-3 x 4-way tensor on 8 devices, bench/buffers.py: the bf16
-  residual stack, 20 GiB, beside its 40 GiB fp32 copy at the peak). The compute-dtype bytes that
-  are converted: the difference between the stacks as the CPU holds them and as they were saved."""
-  if not upcasts(policy, shape.backend):
+  each, hoisted out of the backward layer scan, so while one runs that stack exists in the compute
+  dtype and in fp32 at once; the stacks converted before it are fp32 only. At the last convert:
+  every stack in fp32 (the saved activations) and the largest one, a row per token and layer, in
+  the compute dtype as well (70b ZeRO-3 x 4-way tensor on 8 devices, remat full, bench/buffers.py:
+  the bf16 residual stack, 20 GiB, beside its 40 GiB fp32 copy; 7b ZeRO-3 x tensor 2 without
+  remat: one of the six MLP stacks, the rest fp32 already)."""
+  if not upcasts(policy, shape.backend) or shape.repeats > 1:
     return 0
-  return (activation_bytes(cfg, policy, shape)
-          - activation_bytes(cfg, policy, dataclasses.replace(shape, backend='gpu')))
+  q = cfg.num_heads * cfg.head_dim / shape.tensor
+  mlp = cfg.mlp_dim / shape.tensor
+  rows = {'none': (cfg.d_model, q, mlp), 'dots': (cfg.d_model, q, mlp),
+          'qkv': (cfg.d_model, q), 'full': (cfg.d_model,)}[cfg.remat]
+  runs = shape.pipeline_iterations / (shape.pipeline_microbatches * shape.stages)
+  return shape.tokens * cfg.num_layers * runs * max(rows) * policy.compute_bytes
 
 
-def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape,
-                      frozen: bool = False) -> float:
+def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """XLA:CPU's fp32 copy of the stacked layer weights, converted once for the whole stack (the
   convert of a loop-invariant operand is hoisted out of the layer scan), where the matmuls run in
   bf16: of the weights themselves when they are stored in bf16 and neither gathered nor split
-  layer by layer (ZeRO-3 gathers, and converts, one layer at a time; under tensor parallelism too
-  XLA was seen to convert inside the scan), or else, without remat, of the bf16 cast that the
-  forward pass saved for the backward. A `frozen` base (LoRA) has no gradient path through the
-  gathers, and under ZeRO-3 its shards are converted whole before them (7b LoRA, ZeRO-3 on 8
-  devices, bench/buffers.py: 3.0 GiB of fp32 shards of the stacked base at the peak)."""
+  layer by layer (under tensor parallelism XLA was seen to convert inside the scan; for ZeRO-3's
+  gathered weights see `cpu_shard_copies`), or else, without remat, of the bf16 cast that the
+  forward pass saved for the backward."""
   if not upcasts(policy, shape.backend):
     return 0
   weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
-  if policy.param_bytes < FP32 and (frozen or not shape.gathers_params) and shape.tensor == 1:
-    return weights * FP32 / shape.shards(from_stage=3)
+  if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
+    return weights * FP32
   if cfg.remat == 'none':
     return weights * FP32 / shape.shards(from_stage=3)
   return 0
+
+
+def cpu_shard_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Under ZeRO-3, XLA:CPU converts the shards of layer weights stored in bf16 to fp32 whole,
+  before the layer scan gathers them, and keeps the copies through the layers' backward pass (not
+  in the head's, which comes before): 70b bf16_master ZeRO-3 on 64 devices, 4.0 GiB of fp32 shards
+  beside the saved stacks' conversion; 7b LoRA's frozen base on 8 devices, 3.0 GiB at the layer
+  peak (bench/buffers.py)."""
+  if (not upcasts(policy, shape.backend) or policy.param_bytes >= FP32
+      or not shape.gathers_params or shape.tensor > 1):
+    return 0
+  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
+  return weights * FP32 / shape.shards(from_stage=3)
 
 
 def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -459,8 +480,8 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
   # On XLA:CPU with bf16 compute the head's matmul takes an fp32 copy of the gradient (laid out
   # transposed) in place of the 16-bit one: two fp32 buffers either way (1b ZeRO-2 on 8 devices,
-  # bench/buffers.py: the gradient and its transposed copy, no bf16 one).
-  sixteen_bit = policy.compute_bytes < FP32 and not cpu_bf16
+  # bench/buffers.py: the gradient and its transposed copy, no bf16 one; jax 0.10 and 0.12 alike).
+  sixteen_bit = policy.compute_bytes < FP32 and shape.backend != 'cpu'
   logits = logit_tokens * cfg.vocab_size / shape.tensor * (
       2 * FP32 + (policy.compute_bytes if sixteen_bit else 0))
   # The final norm's input and output and their gradients, fp32.
@@ -565,13 +586,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # whole-stack fp32 copy.
   # A quantized base is dequantized layer by layer inside the scan: no copy of the whole stack.
   stored = policy if frozen is None else dataclasses.replace(policy, param_dtype=policy.compute_dtype)
-  copies = 0 if frozen is not None and frozen.quantized else cpu_weight_copies(
-      cfg, stored, shape, frozen=frozen is not None)
+  quantized = frozen is not None and frozen.quantized
+  copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
+  shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
   common = microbatch_grads + copies + pipeline_grads
   head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
-                 'temporaries': common + layer['weights'] + vocab['held']
+                 'temporaries': common + shard_copies + layer['weights'] + vocab['held']
                  + circular_chunk_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
   reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']}
@@ -580,7 +602,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   converted = stack_convert_bytes(cfg, policy, shape)
   convert_phase = {'activations': saved + converted + ring
                    + (shape.tokens * cfg.d_model * policy.compute_bytes if converted else 0),
-                   'temporaries': common + vocab['held']}
+                   'temporaries': common + shard_copies + vocab['held']}
   backward = max(head_phase, layer_phase, reduction_phase, convert_phase,
                  key=lambda phase: sum(phase.values()))
   # The update holds the gradients and the update's buffers; the activations are gone by then.

@@ -14,7 +14,8 @@ and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unles
 - pipelines at 7b (4 stages x 2-way FSDP): GPipe and circular;
 - LoRA and QLoRA at 7b and 20b (8 devices, and QLoRA 20b on one);
 - long context: 7b at 16k and 32k tokens (ZeRO-3, 8 devices);
-- the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8.
+- the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8;
+- the recipes the planner chose for 7b on 8 GPUs and 70b on 64 (bench/results/plans/).
 A point's `model` names its case (`7b-32k`, `1b-fp32`), so no two cases share a line.
 """
 from sweep.grid import axis, choices, product, zipped
@@ -73,6 +74,16 @@ def get_sweep():
       *case('7b-32k', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:7b',
             **{'train.seq_len': 32768, 'model.max_seq_len': 32768}),
   ]
+  # The recipes the planner chose (bench/results/plans/), where they are not in the grid above.
+  planned = [
+      *case('7b-noremat-8mb', {'zero3_tp2': {**LAYOUTS['zero3'], 'mesh.tensor': 2}},
+            config='configs/default.py:7b', **{'model.remat': 'none', 'train.batch_size': 32,
+                                               'train.microbatches': 8}),
+      *product(choices('model', {'70b-adam8-2mb': {
+          'config': 'configs/default.py:70b', 'host_devices': 64, 'train.batch_size': 256,
+          'train.microbatches': 2, 'precision': 'bf16_master', 'quant.adam_bits': 8}}),
+               choices('devices', {64: {}}), choices('layout', {'zero3': LAYOUTS['zero3']})),
+  ]
   one_device = product(choices('model', {
       '20b-qlora': {'config': 'configs/qlora.py:20b', 'host_devices': 1, 'train.batch_size': 1},
       # The default run (`python main.py`): the small preset in fp32 without remat.
@@ -86,7 +97,7 @@ def get_sweep():
       command='dry_run',
       config='configs/default.py',
       overrides={'precision': 'bf16_mixed', 'model.remat': 'full', 'train.microbatches': 1},
-      points=[*grid, *cases, *one_device],
+      points=[*grid, *cases, *planned, *one_device],
       metrics=('params_m', 'compiled_gb', 'estimate_gb', 'estimate_error', 'wall_s'),
       charts=(
           dict(file='error.png', x='devices', y='estimate_error', series='layout', panels='model',
@@ -95,7 +106,7 @@ def get_sweep():
                title='The analytic estimate against the compiled per-device total as devices '
                      'are added'),
           dict(file='cases.png', x='model', y='estimate_error', series='layout', kind='scatter',
-               where={'model': [p.labels['model'] for p in [*cases, *one_device]]},
+               where={'model': [p.labels['model'] for p in [*cases, *planned, *one_device]]},
                hline=5, hline_label='+5 %', ylabel='estimate - compiled (% of compiled)',
                title='The analytic estimate against the compiled per-device total: GPT-2 shapes, '
                      'precisions, pipelines, LoRA, long context, the default run'),

@@ -128,7 +128,11 @@ def test_8bit_moments_are_counted_from_the_models_own_tensors(block):
 @pytest.mark.parametrize('preset, layout, was', [
     ('100m', {'parallel.zero_stage': 2, 'mesh.tensor': 1}, '-15.9 %'),
     ('1b', {'parallel.zero_stage': 3, 'mesh.tensor': 4}, '+12.6 %'),
-    ('1b', {'parallel.zero_stage': 3, 'mesh.tensor': 1}, '-10.8 % mid-issue'),
+    pytest.param('1b', {'parallel.zero_stage': 3, 'mesh.tensor': 1}, '-10.8 % mid-issue',
+                 marks=pytest.mark.xfail(
+                     tuple(int(p) for p in jax.__version__.split('.')[:2]) == (0, 11), strict=True,
+                     reason='issue 30: the CPU terms are jax 0.10.2\'s; on jax 0.11.2 this '
+                            'compiles 9.6 % above the estimate (within 1 % on 0.10.2 and 0.12.0.1)')),
 ])
 def test_the_formerly_worst_layouts_meet_the_compiler_on_64_devices(tmp_path, preset, layout, was):
   """Issue 30's worst rows at sizes that compile in seconds (sweeps/estimate.py runs them all):

@@ -35,7 +35,7 @@ def test_an_operation_on_a_slice_of_a_stack_moves_only_the_slice():
   import jax
   import jax.numpy as jnp
 
-  from bench.profile import describe_instructions
+  from bench.hlo_ops import describe_instructions
 
   def scanned(xs, c):
     return jax.lax.scan(lambda c, x: (c + jnp.tanh(x), c * 2), c, xs)
