@@ -31,7 +31,7 @@ The rest is the largest of four phases, each holding the gradients and whatever 
   layer's working set below; `temporaries`: the layer's weight gradient, the vocabulary buffers
   still held);
 - between the two on XLA:CPU with bf16 compute, the saved stacks' conversion to fp32
-  (`stack_convert_bytes`: each stack in both dtypes while its convert runs);
+  (`stack_convert_bytes`: every stack in fp32, and the largest in the compute dtype as well);
 - the optimizer update (`update`, counted only where it exceeds the larger backward phase): one
   fp32 buffer of the (optimizer-sharded) parameters' size between the moments and the new
   weights, plus, with 16-bit weights, a copy of the weights and moments as they are rewritten.
