@@ -22,8 +22,9 @@ def _gb(n: float) -> str:
 def compile_total(config, devices: int) -> int | str | None:
   """The compiled per-device peak of `config` on `devices` simulated CPU devices (its train step's
   total, or creating its state where that needs more: a plan whose state cannot be created does
-  not fit), or why it did not compile. Each compile is `main.py --dry_run` of the config file in a child
-  process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan down."""
+  not fit), or why it did not compile. Each compile is `main.py --dry_run` of the config file in a
+  child process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan
+  down."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, 'candidate.py')
     write_config(path, config, 'A plan candidate.')
