@@ -34,20 +34,14 @@ def zero_formula(layout: str, psi: int, n: int) -> float | None:
           'fsdp': 16 * psi / n}.get(layout)
 
 
-def shard_bytes(abstract_tree, shardings) -> int:
-  """Bytes one device holds of a tree of arrays placed by `shardings`."""
-  import jax
-  return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-             for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)))
-
-
 def model_state_bytes(s, compiled_arguments: int) -> int:
   """Compiled arguments less the batch, plus the gradients at their sharding."""
+  from parallel.sharding import device_bytes
   train = s.config.train
   batch = 2 * train.batch_size * train.seq_len * 4 // math.prod(
       s.mesh.shape[a] for a in ('data', 'fsdp'))
-  return compiled_arguments - batch + shard_bytes(s.layout.abstract['params'],
-                                                  s.layout.grad_shardings)
+  return compiled_arguments - batch + device_bytes(s.layout.abstract['params'],
+                                                   s.layout.grad_shardings)
 
 
 def main(argv):

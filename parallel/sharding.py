@@ -13,6 +13,15 @@ def shard_ways(mesh: Mesh, part) -> int:
   return math.prod(mesh.shape[a] for a in mesh_axes(part))
 
 
+def device_bytes(tree, shardings=None) -> int:
+  """Bytes one device holds of a tree of arrays (abstract or real), each placed by its own
+  sharding or, given `shardings`, by the matching one of those (the largest shard of each)."""
+  leaves = jax.tree.leaves(tree)
+  placed = jax.tree.leaves(shardings) if shardings is not None else [a.sharding for a in leaves]
+  return sum(math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize
+             for a, sharding in zip(leaves, placed, strict=True))
+
+
 def logical_axes(variable) -> tuple:
   """The logical axis names an nnx Variable was annotated with (replicated if none)."""
   names = variable.get_metadata().get('out_sharding') or ()

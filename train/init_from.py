@@ -37,7 +37,7 @@ from flax import nnx, traverse_util
 from models import ModelConfig
 from models.config import COMPUTE_FIELDS
 from models.lora import dense_paths
-from parallel.sharding import logical_axes_tree, shardings_for
+from parallel.sharding import device_bytes, logical_axes_tree, shardings_for
 from quant import lsq
 from quant.weights import quantize_parts
 from train.checkpoint import Checkpointer
@@ -372,12 +372,6 @@ def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, sharding) -> jax.Arra
   if kernel.ndim > n_in + len(dense.out_features):
     one = jax.vmap(one)
   return jax.jit(one, out_shardings=sharding)(kernel)
-
-
-def device_bytes(tree) -> int:
-  """Bytes one device holds of a tree of sharded abstract arrays (the largest shard of each)."""
-  return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * jnp.dtype(leaf.dtype).itemsize
-             for leaf in jax.tree.leaves(tree))
 
 
 def _peak(compiled) -> int:
