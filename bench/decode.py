@@ -36,7 +36,8 @@ def main(argv):
 
   def run():
     out = generate_batch(s.layout.graphdef, params, prompts, num_tokens=_TOKENS.value,
-                         window=window, temperature=0.0, seed=0)
+                         window=window, temperature=0.0, seed=0,
+                         model_shapes=s.layout.model_shapes)
     return sum(len(o) - len(p) for o, p in zip(out, prompts))
 
   run()

@@ -99,7 +99,7 @@ from models.attention import flash_block
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
 from models.llama import Transformer
-from parallel.rules import layout_rules, mesh_axes, to_mesh_spec
+from parallel.rules import PADDED_AXES, layout_rules, mesh_axes, to_mesh_spec
 from parallel.sharding import logical_axes
 from precision.policy import Policy, get_policy
 
@@ -239,15 +239,15 @@ def _vocab_matrices(cfg: ModelConfig) -> int:
 
 
 @functools.cache
-def _param_tensors(cfg: ModelConfig) -> tuple[tuple[int, tuple], ...]:
-  """(values, logical axes) of each parameter tensor of the model as it is built (abstractly:
+def _param_tensors(cfg: ModelConfig) -> tuple[tuple[tuple, tuple], ...]:
+  """(shape, logical axes) of each parameter tensor of the model as it is built (abstractly:
   nothing is allocated), whatever its block: SwiGLU or GELU, RMSNorm or LayerNorm, biases,
   learned positions, tied or untied head."""
   model = nnx.eval_shape(lambda: Transformer(cfg, policy=get_policy('fp32'),
                                              rngs=nnx.Rngs(params=0)))
   variables = jax.tree.leaves(nnx.state(model, nnx.Param),
                               is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return tuple((math.prod(v.shape), logical_axes(v)) for v in variables)
+  return tuple((tuple(v.shape), logical_axes(v)) for v in variables)
 
 
 def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
@@ -257,11 +257,40 @@ def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
   sizes = {'fsdp': shape.fsdp, 'tensor': shape.tensor, 'stage': shape.stages}
   rules = layout_rules(shape.zero_stage).optimizer
   leaves = []
-  for n, axes in _param_tensors(cfg):
+  for dims, axes in _param_tensors(cfg):
     ways = [math.prod(sizes.get(a, 1) for a in mesh_axes(part))
             for part in to_mesh_spec(axes, rules)]
-    leaves.append((n, next((w for w in ways if w > 1), 1)))
+    leaves.append((math.prod(dims), next((w for w in ways if w > 1), 1)))
   return leaves
+
+
+@functools.cache
+def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
+  """Stored values over the model's values for state split `fsdp` ways by the ZeRO rules: a
+  dimension that `fsdp` does not divide is stored padded to the next multiple (parallel/padding.py;
+  100m's d_model 768 on 512 devices: 1024, 4/3 of every weight). XLA gathers such a weight at its
+  padded size too, so the gathered weights of ZeRO-3 carry the same ratio (100m on 512 devices,
+  bench/buffers.py: the MLP's weights gathered as [1024, 3072])."""
+  spec_of = lambda axes: to_mesh_spec(axes, layout_rules(3).params)
+  stored = values = 0
+  for dims, axes in _param_tensors(cfg):
+    padded = [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(PADDED_AXES) else n
+              for n, part in zip(dims, tuple(spec_of(axes)) + (None,) * len(dims))]
+    stored += math.prod(padded)
+    values += math.prod(dims)
+  return stored / values
+
+
+def shards(cfg: ModelConfig, shape: StepShape, from_stage: int) -> float:
+  """Ways a piece of state is split (`shape.shards`), less the padding that an uneven split over
+  `fsdp` stores (`padding_ratio`)."""
+  ways = shape.shards(from_stage)
+  return ways / padding_ratio(cfg, shape.fsdp) if shape.zero_stage >= from_stage else ways
+
+
+def gathered(cfg: ModelConfig, shape: StepShape) -> float:
+  """What a weight all-gathered by ZeRO-3 takes per value of the model: its padding included."""
+  return padding_ratio(cfg, shape.fsdp) if shape.gathers_params else 1.0
 
 
 def param_leaf_sizes(cfg: ModelConfig) -> list[int]:
@@ -291,9 +320,9 @@ def _moment_ways(n: int, ways: int, shape: StepShape) -> int:
 
 def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes of both Adam moments (and the master copy, where the policy keeps one) on one device."""
-  master = shape.stage_params(cfg) * policy.master_bytes / shape.shards(from_stage=1)
+  master = shape.stage_params(cfg) * policy.master_bytes / shards(cfg, shape, 1)
   if shape.adam_bits == 32:
-    return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shape.shards(from_stage=1)
+    return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shards(cfg, shape, 1)
   total = 0
   for n, ways in param_leaves(cfg, shape):
     if n >= QUANTIZED_MIN_SIZE:
@@ -370,8 +399,14 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   weights = (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor
   # The layer's weight gradient (fp32 on CPU, where bf16 matmuls run in fp32).
   weight_bytes = FP32 if upcasts(policy, shape.backend) else policy.param_bytes
+  # Under ZeRO-3 the layer's weights are gathered twice around this point (for the recomputed
+  # forward and for the backward), each at its padded size where `fsdp` splits d_model unevenly:
+  # both sets' padding is on top of the one set counted (100m on 512 devices, bench/buffers.py:
+  # four [1024, 3072] gathered MLP weights at the peak; on 256 devices, where 768 divides, this
+  # estimate is -0.1 % without padding to count).
+  padding = 2 * (gathered(cfg, shape) - 1)
   return {'activations': shape.tokens * (common + max(mlp_point, attention_point)),
-          'weights': weights * weight_bytes}
+          'weights': weights * weight_bytes * (1 + padding)}
 
 
 def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
@@ -415,7 +450,7 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
     return weights * FP32
   if cfg.remat == 'none':
-    return weights * FP32 / shape.shards(from_stage=3)
+    return weights * FP32 / shards(cfg, shape, 3)
   return 0
 
 
@@ -429,7 +464,7 @@ def cpu_shard_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
       or not shape.gathers_params or shape.tensor > 1):
     return 0
   weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
-  return weights * FP32 / shape.shards(from_stage=3)
+  return weights * FP32 / shards(cfg, shape, 3)
 
 
 def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -437,7 +472,7 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   """Full-size vocabulary buffers besides the state: in the head's backward pass, and the ones
   still held while the layers run backward. `embedding_grads` False: a frozen table and head
   (LoRA) have no gradients to hold."""
-  table = cfg.embedding_params * FP32 / shape.tensor
+  table = cfg.embedding_params * FP32 / shape.tensor * gathered(cfg, shape)
   cpu_bf16 = upcasts(policy, shape.backend)
   # The head multiplies by an fp32 table that is not the parameter: gathered, or the CPU's copy.
   table_copy = int(shape.gathers_params or cpu_bf16)
@@ -507,13 +542,13 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
     return 0
   layers = cfg.num_layers / (shape.stages * shape.repeats)
   return layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
-      FP32 if upcasts(policy, shape.backend) else policy.param_bytes)
+      FP32 if upcasts(policy, shape.backend) else policy.param_bytes) * gathered(cfg, shape)
 
 
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
   update runs)."""
-  ways = shape.shards(from_stage=1)
+  ways = shards(cfg, shape, 1)
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
@@ -535,7 +570,7 @@ def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing."""
   if shape.adam_bits != 32 or policy.param_bytes >= FP32 or shape.zero_stage == 0:
     return 0
-  return shape.stage_params(cfg) * FP32 / shape.shards(from_stage=1)
+  return shape.stage_params(cfg) * FP32 / shards(cfg, shape, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,15 +592,15 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   runs through every layer. The base is sharded like parameters."""
   n = shape.stage_params(cfg)
   p = policy.param_bytes
-  params = n * p / shape.shards(from_stage=3)
-  grads = n * p / shape.shards(from_stage=2)
+  params = n * p / shards(cfg, shape, 3)
+  grads = n * p / shards(cfg, shape, 2)
   optimizer = optimizer_bytes(cfg, policy, shape)
   if frozen is not None:
     on_stage = n / cfg.num_params   # the base's share on one stage
     n = frozen.trainable * on_stage
-    params = (frozen.base_bytes * on_stage + n * p) / shape.shards(from_stage=3)
-    grads = n * p / shape.shards(from_stage=2)
-    optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shape.shards(from_stage=1)
+    params = (frozen.base_bytes * on_stage + n * p) / shards(cfg, shape, 3)
+    grads = n * p / shards(cfg, shape, 2)
+    optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
   saved = activation_bytes(cfg, policy, shape)
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
@@ -574,13 +609,13 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
   pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
-                    / shape.shards(from_stage=2) if shape.stages > 1 and frozen is None else 0)
+                    / shards(cfg, shape, 2) if shape.stages > 1 and frozen is None else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time.
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
       shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches))
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   update = (update_bytes(cfg, policy, shape) if frozen is None else
-            {'chain': n * (FP32 + (p if p < FP32 else 0)) / shape.shards(from_stage=1)})
+            {'chain': n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
   # Held in both backward phases besides gradients and saved activations.
   # A frozen base is stored in the compute dtype (train/state.py), which is what decides XLA:CPU's
   # whole-stack fp32 copy.

@@ -42,6 +42,11 @@ REPLICATED = MODEL_PARALLEL
 # d_model divides evenly far more often than the other dimensions.
 SHARDED = (('embed', 'fsdp'),) + MODEL_PARALLEL
 
+# The mesh axes whose uneven splits of stored state are padded (parallel/padding.py): the ZeRO
+# axis only stores, so padding it costs bytes and nothing else; the model-parallel axes split
+# computation, and a dimension they do not divide is refused.
+PADDED_AXES = ('fsdp',)
+
 
 # Activations inside a per-device region (a vmap over the data-parallel devices): the batch there
 # is already one device's rows.

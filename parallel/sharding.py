@@ -5,7 +5,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallel.rules import mesh_axes, to_mesh_spec
+from parallel.rules import PADDED_AXES, mesh_axes, to_mesh_spec
 
 
 def shard_ways(mesh: Mesh, part) -> int:
@@ -42,7 +42,7 @@ def shardings_for(axes_tree, mesh: Mesh, rules):
 
 def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
   """ValueError naming the first array dimension (and its logical axis) that its mesh axes do
-  not divide."""
+  not divide, where those are not all padded axes (parallel/padding.py pads those)."""
   flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
   flat_shardings = jax.tree.leaves(shardings)
   flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
@@ -50,7 +50,7 @@ def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
     for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
       ways = shard_ways(sharding.mesh, axes)
       axes = mesh_axes(axes)
-      if size % ways:
+      if size % ways and not set(axes) <= set(PADDED_AXES):
         name = '/'.join(str(getattr(k, 'key', k)) for k in path)
         raise ValueError(f'{what} {name} dimension {dim} ({logical[dim]}) of size {size}, which the '
                          f'mesh axes {" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = '

@@ -2,9 +2,11 @@
 
 A checkpoint holds three items: `state` (the arrays), `data` (the iterator's position, JSON) and
 `meta` (JSON: the config fields that fix what the arrays mean, such as the model's shape, the
-adapters and the frozen base's format, and how 8-bit moments are blocked). Saves are asynchronous
+adapters and the frozen base's format, how 8-bit moments are blocked, and under `unpadded` the true
+shape of each array its mesh stored padded, parallel/padding.py). Saves are asynchronous
 (training goes on while the arrays are written). Restore reads into an abstract target built under
-the *current* mesh, so a checkpoint restores onto any layout.
+the *current* mesh, so a checkpoint restores onto any layout: an array padded for one mesh is read
+cut or zero-padded to another's, once its true shape is known to be the target's.
 
 Before anything is compiled or written, the newest checkpoint's `meta` and stored shapes are
 compared with the config's, so a workdir of a different model gives one clear error instead of an
@@ -30,6 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from parallel.padding import true_shapes
 from train.digest import as_numbers, digest_arrays, first_mismatch, tree_digests
 
 
@@ -80,7 +83,9 @@ class Checkpointer:
     """Save asynchronously; the digests of the state's arrays and of `data_state` are computed on
     the devices meanwhile and written beside the checkpoint (`digest_path`) by a thread, so the
     save waits for neither."""
-    digests = digest_arrays(state)   # dispatched; read before the next step's donation reuses it
+    # Dispatched; read before the next step's donation reuses the arrays. Of the true arrays, so
+    # that another mesh's padding verifies.
+    digests = digest_arrays(state, true_shapes(state, meta.get('unpadded')))
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)))
@@ -131,22 +136,45 @@ class Checkpointer:
         if stored.get(key) != wanted.get(key):
           raise CheckpointError(f'{self.path(step)} was written with {key}={stored.get(key)!r}, '
                                 f'this config has {key}={wanted.get(key)!r}; {hint}')
-    with _quiet():   # reads every array's metadata: a broken checkpoint fails here first
-      stored_shapes = _shapes(self._manager.item_metadata(step)['state'])
-    wanted_shapes = _shapes(abstract_state)
-    for name in sorted(set(stored_shapes) | set(wanted_shapes)):
-      have, want = stored_shapes.get(name), wanted_shapes.get(name)
-      if have != want:
-        raise CheckpointError(f'{self.path(step)} holds a different train state: {name} has shape '
-                              f'{have} there but {want} in this config; {hint}')
+    name = self._different_array(step, abstract_state, meta.get('unpadded'), stored_meta)
+    if name is not None:
+      have, want = name[1:]
+      raise CheckpointError(f'{self.path(step)} holds a different train state: {name[0]} has shape '
+                            f'{have} there but {want} in this config; {hint}')
 
-  def restore(self, step: int, abstract_state) -> tuple[object, dict]:
-    """(train state placed as `abstract_state`'s shardings say (any mesh), data iterator state)."""
+  def _different_array(self, step: int, abstract_state, unpadded: dict | None,
+                       stored_meta: dict | None = None):
+    """(name, shape there, shape here) of the first array whose true shape (its stored one less
+    any padding, by each side's `unpadded`) differs between checkpoint `step` and
+    `abstract_state`, or that one side lacks; None if they agree."""
+    if stored_meta is None:
+      stored_meta = self.read_meta(step) or {}
+    with _quiet():   # reads every array's metadata: a broken checkpoint fails here first
+      stored = _shapes(self._manager.item_metadata(step)['state'], stored_meta.get('unpadded'))
+    wanted = _shapes(abstract_state, unpadded)
+    for name in sorted(set(stored) | set(wanted)):
+      if stored.get(name) != wanted.get(name):
+        return name, stored.get(name), wanted.get(name)
+    return None
+
+  def restore(self, step: int, abstract_state, unpadded: dict | None = None) -> tuple[object, dict]:
+    """(train state placed as `abstract_state`'s shardings say (any mesh), data iterator state).
+    `unpadded`: the true shapes of the target's padded arrays (train/state.py:StateLayout). Where
+    the checkpoint's mesh padded an array otherwise, it is read cut or zero-padded to the target,
+    after checking that their true shapes agree (the padding is zeros either way)."""
+    with _quiet():
+      stored = _shapes(self._manager.item_metadata(step)['state'])
+    same = stored == _shapes(abstract_state)
+    if not same:
+      different = self._different_array(step, abstract_state, unpadded)
+      if different is not None:
+        raise CheckpointError(f'{self.path(step)}: {different[0]} has shape {different[1]} there '
+                              f'but {different[2]} in this config')
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(abstract_state, strict=same), data=ocp.args.JsonRestore()))
     return restored['state'], restored['data']
 
-  def verify(self, step: int, state, data: dict) -> None:
+  def verify(self, step: int, state, data: dict, unpadded: dict | None = None) -> None:
     """DigestMismatch when what was read differs from what was saved (by the digests written
     beside it; a checkpoint without them, saved before they existed or killed before they were
     written, is taken as it is)."""
@@ -157,22 +185,24 @@ class Checkpointer:
       return
     except ValueError as e:
       raise DigestMismatch(f'its digests ({self.digest_path(step)}) do not read: {e}') from None
-    changed = first_mismatch(saved['arrays'], tree_digests(state))
+    changed = first_mismatch(saved['arrays'], tree_digests(state, true_shapes(state, unpadded)))
     if changed is not None:
       raise DigestMismatch(f'{changed} differs from what was saved (its digest does not match)')
     if saved['data'] != _json_digest(data):
       raise DigestMismatch('the data position differs from what was saved (its digest does not '
                            'match)')
 
-  def restore_newest(self, abstract_state, accept_data=lambda data: None) -> Restored:
+  def restore_newest(self, abstract_state, accept_data=lambda data: None,
+                     unpadded: dict | None = None) -> Restored:
     """The newest checkpoint that restores. `accept_data(data)` may raise to refuse a stream
-    (that is an error of the config, not a broken checkpoint, so it is not skipped)."""
+    (that is an error of the config, not a broken checkpoint, so it is not skipped); `unpadded`
+    as `restore` takes it."""
     broken = []
     for step in self.steps():
       try:
         with _quiet():
-          state, data = self.restore(step, abstract_state)
-        self.verify(step, state, data)
+          state, data = self.restore(step, abstract_state, unpadded)
+        self.verify(step, state, data, unpadded)
       except Exception as e:   # orbax and tensorstore raise many kinds; every one means "broken"
         broken.append((step, _one_line(e)))
         if jax.process_index() == 0 and step != self.steps()[-1]:
@@ -261,7 +291,10 @@ def _flat(tree: dict) -> dict:
   return traverse_util.flatten_dict(tree, sep='.') if tree else {}
 
 
-def _shapes(tree) -> dict[str, tuple]:
+def _shapes(tree, unpadded: dict | None = None) -> dict[str, tuple]:
+  """{name: shape} of each array of `tree`; with `unpadded`, the true shape of those it names."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path):
-          tuple(leaf.shape) for path, leaf in flat}
+  unpadded = unpadded or {}
+  names = ['/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path)
+           for path, _ in flat]
+  return {name: tuple(unpadded.get(name, leaf.shape)) for name, (_, leaf) in zip(names, flat)}

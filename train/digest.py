@@ -12,6 +12,8 @@ the digest (an odd weight is invertible mod 2**32, and a bit pattern changes by 
 changes to several cancel with probability 2**-32. It reads each array once, on the devices, in
 one fused reduction per array: no copy to the host, no gather.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,10 +48,14 @@ def array_digest(x: jax.Array) -> jax.Array:
   return jnp.sum(_bits(x) * _position_weights(x.shape), dtype=jnp.uint32)
 
 
-@jax.jit
-def digest_arrays(tree):
+@functools.partial(jax.jit, static_argnames='shapes')
+def digest_arrays(tree, shapes=None):
   """The digests of every array of `tree` as device scalars: dispatched, not waited for (a
-  checkpoint save goes on while they are computed; `as_numbers` waits)."""
+  checkpoint save goes on while they are computed; `as_numbers` waits). `shapes`
+  (parallel/padding.py:Shapes): the arrays' true shapes where they are stored padded; the digest
+  is of the true array, the same on a mesh that pads it otherwise or not at all."""
+  if shapes is not None:
+    tree = shapes.fit(tree)
   return jax.tree.map(array_digest, tree)
 
 
@@ -60,10 +66,10 @@ def as_numbers(digests) -> dict[str, int]:
       leaf.addressable_data(0))) for path, leaf in jax.tree_util.tree_flatten_with_path(digests)[0]}
 
 
-def tree_digests(tree) -> dict[str, int]:
+def tree_digests(tree, shapes=None) -> dict[str, int]:
   """{'/'-joined path: digest} of every array of `tree` (global arrays, on any mesh and any number
-  of processes)."""
-  return as_numbers(digest_arrays(tree))
+  of processes; `shapes` as digest_arrays takes them)."""
+  return as_numbers(digest_arrays(tree, shapes))
 
 
 def first_mismatch(saved: dict[str, int], restored: dict[str, int]) -> str | None:

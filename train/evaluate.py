@@ -35,7 +35,7 @@ def evaluate_workdir(workdir: str, data_path: str | None = None,
     raise DataError(f'--workdir={workdir!r} holds no checkpoint to evaluate')
   s = run.setup(config, stored_block_axes=run._stored_block_axes(checkpoints))
   data_source.check_path(config.data.path, config.data.tokenizer)
-  restored = checkpoints.restore_newest(s.layout.abstract)
+  restored = checkpoints.restore_newest(s.layout.abstract, unpadded=s.layout.unpadded)
   prepared = run.open_data(config, workdir)
   evaluator = Evaluator(s, run.eval_set(s, prepared), prepared.bytes_per_token('val'))
   result = {'step': restored.step, 'data': prepared.directory, **evaluator(restored.state,

@@ -56,9 +56,9 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
   one_device.mesh = {'data': 1, 'fsdp': 1, 'tensor': 1}
   s = run.setup(one_device, devices=jax.devices()[:1])
   checkpoints.check_compatible(step, s.layout.abstract, run.checkpoint_meta(s))
-  state, data = checkpoints.restore(step, s.layout.abstract)
+  state, data = checkpoints.restore(step, s.layout.abstract, s.layout.unpadded)
   try:   # a checkpoint that decodes to other values than were saved is refused, not used
-    checkpoints.verify(step, state, data)
+    checkpoints.verify(step, state, data, s.layout.unpadded)
   except DigestMismatch as e:
     raise CheckpointError(f'{checkpoints.path(step)}: {e}') from None
   finally:

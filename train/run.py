@@ -104,7 +104,9 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             dropout_seed=config.train.seed if dropout else None,
                             stack=None if schedule is None else pipelined(schedule),
                             update_shardings=layout.update_shardings,
-                            layer_writes=layout.layer_writes)
+                            layer_writes=layout.layer_writes,
+                            model_shapes=layout.model_shapes,
+                            update_shapes=layout.update_shapes)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
@@ -134,12 +136,14 @@ def _block_axes(ideal, stored: dict | None):
 
 def checkpoint_meta(s: Setup) -> dict:
   """What a checkpoint records about its state (train/checkpoint.py): the config fields that fix
-  the arrays' meaning, and the 8-bit moments' blocking."""
+  the arrays' meaning, the 8-bit moments' blocking, and the true shapes of padded arrays."""
   model = {k: v for k, v in s.config.model.to_dict().items() if k not in COMPUTE_FIELDS}
   meta = {'identity': {'model': model, 'lora': s.config.lora.to_dict(),
                        'quant': {'weights': s.config.quant.weights}}}
   if s.block_axes is not None:
     meta['adam_block_axes'] = s.block_axes
+  if s.layout.unpadded:
+    meta['unpadded'] = s.layout.unpadded
   return meta
 
 
@@ -328,7 +332,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # 3. The state: restored from the newest checkpoint that restores (before anything is
     #    written; none restoring is an error that leaves every file as it was), else imported
     #    from init_from, else fresh.
-    restored = checkpoints.restore_newest(s.layout.abstract, batches.set_state) if resuming else None
+    restored = (checkpoints.restore_newest(s.layout.abstract, batches.set_state, s.layout.unpadded)
+                if resuming else None)
     print_summary(s, memory)
     _write_json(os.path.join(workdir, 'config.json'), s.config.to_dict())
     _write_json(os.path.join(workdir, 'memory.json'), memory)
@@ -404,7 +409,7 @@ def _print_sample(s: Setup, state, tokenizer) -> None:
   sample = s.config.sample
   # No rules in context: a batch of one cannot be split over the data-parallel devices.
   tokens = generate(s.layout.graphdef, state['params'], tokenizer.encode(sample.prompt),
-                    frozen=state.get('frozen'),
+                    frozen=state.get('frozen'), model_shapes=s.layout.model_shapes,
                     num_tokens=sample.length, window=s.config.train.seq_len,
                     temperature=sample.temperature, seed=s.config.train.seed,
                     vocab_limit=tokenizer.vocab_size)

@@ -16,11 +16,12 @@ from flax import nnx
 
 def generate_batch(graphdef, params, prompts: list, *, num_tokens: int, window: int,
                    temperature: float, seed: int, vocab_limit: int | None = None,
-                   frozen=None) -> list[np.ndarray]:
+                   frozen=None, model_shapes=None) -> list[np.ndarray]:
   """Each prompt followed by its sampled tokens, `num_tokens` of them or fewer where the
   `window` (the cache's length in positions) fills. `temperature` 0 is greedy.
   `frozen`: the base weights of a LoRA model. `vocab_limit`: sample only ids below it (a model
-  whose vocabulary is larger than the tokenizer's)."""
+  whose vocabulary is larger than the tokenizer's). `model_shapes`: the true shapes of (params,
+  frozen) where a train state stores them padded (train/state.py:StateLayout.model_shapes)."""
   prompts = [np.asarray(p, np.int32)[-(window - 1):] for p in prompts]
   if any(len(p) == 0 for p in prompts):
     raise ValueError('every prompt needs at least one token')
@@ -31,7 +32,8 @@ def generate_batch(graphdef, params, prompts: list, *, num_tokens: int, window: 
     padded[row, :len(p)] = p
   tokens = _run(graphdef, params, {} if frozen is None else frozen, jnp.asarray(padded),
                 jnp.asarray(lengths), jax.random.key(seed), steps=steps, window=window,
-                temperature=float(temperature), vocab_limit=vocab_limit)
+                temperature=float(temperature), vocab_limit=vocab_limit,
+                model_shapes=model_shapes)
   tokens = np.asarray(jax.device_get(tokens))
   return [np.concatenate([p, tokens[row]]) for row, p in enumerate(prompts)]
 
@@ -42,10 +44,13 @@ def generate(graphdef, params, prompt, **kwargs) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'steps', 'window', 'temperature',
-                                             'vocab_limit'))
+                                             'vocab_limit', 'model_shapes'))
 def _run(graphdef, params, frozen, prompts, lengths, key, *, steps, window, temperature,
-         vocab_limit):
+         vocab_limit, model_shapes):
   """[rows, steps] tokens after each row's prompt (rows padded to one length)."""
+  if model_shapes is not None:
+    params, frozen = model_shapes[0].fit(params), model_shapes[1].fit(frozen)
+
   def pick(logits, key):
     if vocab_limit is not None:
       logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)

@@ -8,6 +8,12 @@ dense kernels are stored quantized (QLoRA). The state's shape and shardings are 
 `jax.eval_shape` of the initialiser, so a model of any size can be described (and its train step
 compiled) without allocating it; then `jax.jit(init, out_shardings=...)` creates the arrays already
 in place.
+
+Where the ZeRO axis does not divide a dimension, the stored array is padded (parallel/padding.py):
+`abstract` has the stored shapes, `true` the model's. The optimizer works on the padded shapes of
+its state (`update_shapes`: the parameters as its sharding pads them), so its state, and under
+ZeRO-3 the parameters, are padded once, when created; only the model sees the true shapes (the
+train step cuts the padding off inside the loss, and the padding's gradient is zero).
 """
 import dataclasses
 from typing import Any, Callable
@@ -22,6 +28,7 @@ from models.dense import quantize_weights
 from models.lora import LoraSpec
 from optim.adam8bit import is_quantized_moment
 from optim.decay import is_matrix_weight
+from parallel.padding import Shapes, padded_abstract, unpadded_shapes
 from parallel.rules import LayoutRules, mesh_axes
 from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
                                shard_ways, shardings_for)
@@ -79,16 +86,29 @@ def _merge_trees(a: dict, b: dict) -> dict:
 @dataclasses.dataclass
 class StateLayout:
   graphdef: Any            # the model's structure (nnx), merged with `params` to run it
-  abstract: Any            # ShapeDtypeStruct tree of the train state, each with its sharding
+  abstract: Any            # ShapeDtypeStruct tree of the train state as stored (padded), placed
+  true: Any                # the same tree with the model's shapes (no padding), unplaced
   shardings: Any           # NamedSharding tree of the train state
   grad_shardings: Any      # where the gradients live (ZeRO-2 and up: sharded like the optimizer)
   update_shardings: Any    # where the optimizer's updates are formed: with its state (ZeRO-1 and up)
+  update_shapes: Shapes    # the shapes they are formed in: the parameters', padded as the state is
   # Stacked weights stored whole but updated in shards (ZeRO-1/2): parameter path -> the sharding
   # of one layer of it, which the step gathers each layer's new values to (train/step.py).
   layer_writes: dict
   init: Callable[[], Any]  # jitted: creates the state already sharded
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
   init_optimizer: Callable[[Any], Any]   # jitted: a fresh optimizer state for given parameters
+
+  @property
+  def model_shapes(self) -> tuple[Shapes, Shapes]:
+    """The model's shapes of the parameters and of the frozen base ({} without LoRA):
+    `.fit(stored)` inside a program cuts their padding off."""
+    return Shapes.of(self.true['params']), Shapes.of(self.true.get('frozen', {}))
+
+  @property
+  def unpadded(self) -> dict[str, list[int]]:
+    """{path: true shape} of each padded array (checkpoints record it)."""
+    return unpadded_shapes(self.true, self.abstract)
 
 
 def block_axis(sharding) -> int:
@@ -123,7 +143,8 @@ def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transforme
 
 def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
                  rules: LayoutRules) -> StateLayout:
-  """Raises ValueError naming a parameter dimension that the mesh does not divide."""
+  """Raises ValueError naming a parameter dimension that a model-parallel mesh axis does not
+  divide (the ZeRO axis's uneven splits are padded)."""
   abstract_model = nnx.eval_shape(spec.build)
   graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, spec.trainable, ...)
   axes = logical_axes_tree(abstract_params)
@@ -134,32 +155,38 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
   for what, sharding in (('parameter', params_sharding), ('optimizer state of', moment_sharding)):
     check_divisible(shapes, sharding, axes, what)
 
+  update_shapes = Shapes.of(padded_abstract(shapes, moment_sharding))
+
   def init():
     _, params, frozen = spec.split(spec.build())
     state = {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
-             'opt_state': tx.init(params), 'loss_scale': init_loss_scale()}
+             'opt_state': tx.init(update_shapes.fit(params)), 'loss_scale': init_loss_scale()}
     if frozen:
       state['frozen'] = frozen
     return state
 
-  abstract = jax.eval_shape(init)
+  true = jax.eval_shape(init)
   whole = replicated(mesh)
   # A multi_transform (fp8 histories beside Adam) leaves MaskedNode where a transform does not apply.
   masked = lambda x: isinstance(x, optax.MaskedNode)
   opt_sharding = optax.tree_map_params(
       tx, lambda leaf, sharding: leaf if masked(leaf) else _moment_sharding(leaf, sharding, mesh),
-      abstract['opt_state'], moment_sharding, transform_non_params=lambda _: whole,
+      true['opt_state'], moment_sharding, transform_non_params=lambda _: whole,
       is_leaf=lambda x: is_quantized_moment(x) or masked(x))
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
-               'loss_scale': jax.tree.map(lambda _: whole, abstract['loss_scale'])}
-  if 'frozen' in abstract:
-    shardings['frozen'] = frozen_shardings(abstract_rest, abstract['frozen'], mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
-  return StateLayout(graphdef, abstract, shardings, grad_sharding, moment_sharding,
-                     layer_writes(axes, params_sharding, moment_sharding),
-                     jax.jit(init, out_shardings=shardings), init,
-                     jax.jit(tx.init, out_shardings=opt_sharding))
+               'loss_scale': jax.tree.map(lambda _: whole, true['loss_scale'])}
+  if 'frozen' in true:
+    shardings['frozen'] = frozen_shardings(abstract_rest, true['frozen'], mesh, rules)
+  abstract = padded_abstract(true, shardings)
+  # The optimizer's state as the unpadded parameters make it: the true shapes of its padded parts.
+  true = {**true, 'opt_state': jax.eval_shape(tx.init, shapes)}
+  stored = Shapes.of(abstract)
+  init_stored = lambda: stored.fit(init())
+  init_optimizer = lambda params: tx.init(update_shapes.fit(params))
+  return StateLayout(graphdef, abstract, true, shardings, grad_sharding, moment_sharding,
+                     update_shapes, layer_writes(axes, params_sharding, moment_sharding),
+                     jax.jit(init_stored, out_shardings=shardings), init_stored,
+                     jax.jit(init_optimizer, out_shardings=opt_sharding))
 
 
 def layer_writes(axes, params_sharding, update_sharding) -> dict:

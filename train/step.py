@@ -17,6 +17,7 @@ from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
+from parallel.padding import fit
 from optim.adamw import schedule_at
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
@@ -59,7 +60,9 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def apply_updates(params, updates, layer_writes: dict | None = None):
-  """optax.apply_updates, except that each weight named in `layer_writes` (stacked, stored whole,
+  """optax.apply_updates, each update cut to its weight's shape (formed in the optimizer's
+  shapes, which pad what its sharding splits unevenly: parallel/padding.py), except that each
+  weight named in `layer_writes` (stacked, stored whole,
   updated in shards: ZeRO-1/2) gets its new values one layer at a time: a layer's slice is updated,
   gathered to that layer's sharding and written into the weight's own buffer (donated, so in
   place) before the next. Gathered at once, the whole stack's new values would be a second,
@@ -67,10 +70,11 @@ def apply_updates(params, updates, layer_writes: dict | None = None):
   def one(path, p, u):
     per_layer = (layer_writes or {}).get(jax.tree_util.keystr(path))
     if per_layer is None:
-      return optax.apply_updates(p, u)
+      return optax.apply_updates(p, fit(u, p.shape))
 
     def write(layer, p):
-      new = jax.lax.with_sharding_constraint((p[layer] + u[layer]).astype(p.dtype), per_layer)
+      new = p[layer] + fit(u[layer], p.shape[1:])
+      new = jax.lax.with_sharding_constraint(new.astype(p.dtype), per_layer)
       return jax.lax.dynamic_update_index_in_dim(p, new, layer, 0)
     return jax.lax.fori_loop(0, p.shape[0], write, p)
   return jax.tree_util.tree_map_with_path(one, params, updates)
@@ -78,7 +82,8 @@ def apply_updates(params, updates, layer_writes: dict | None = None):
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
                     grad_shardings=None, per_device=None, dropout_seed: int | None = None,
-                    stack=None, update_shardings=None, layer_writes=None):
+                    stack=None, update_shardings=None, layer_writes=None, model_shapes=None,
+                    update_shapes=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -98,7 +103,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   gathered (bf16 with an fp32 master in the optimizer state, not the master).
 
   `layer_writes`: parameter path -> one layer's sharding, for the stacked weights whose new values
-  are gathered (StateLayout.layer_writes): they are written one layer at a time."""
+  are gathered (StateLayout.layer_writes): they are written one layer at a time.
+
+  `model_shapes` = (params', frozen's) true shapes (parallel/padding.py:Shapes), where the state
+  stores them padded: the model gets them cut to those inside the loss, so the gradients have the
+  stored shapes and are zero in the padding. `update_shapes`: the shapes the optimizer's state pads
+  the parameters to (the gradients and parameters are padded to them for its update)."""
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -131,7 +141,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     batch_predicted = predicted(batch)
 
     def scaled_loss(p, microbatch, key):
-      loss = cross_entropy(graphdef, p, frozen, microbatch, key, stack, batch_predicted)
+      if model_shapes is not None:   # the model's shapes; the padding's gradient is zero
+        p, base = model_shapes[0].fit(p), model_shapes[1].fit(frozen)
+      else:
+        base = frozen
+      loss = cross_entropy(graphdef, p, base, microbatch, key, stack, batch_predicted)
       return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
@@ -165,6 +179,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     if per_device is not None:   # the one data-parallel reduction of the step
       grad_sum = place(jax.tree.map(reduce_devices, grad_sum, histories))
       loss_sum = loss_sum.sum()
+    else:   # where the carry's layout is decided (an uneven split XLA would otherwise gather)
+      grad_sum = place(grad_sum)
     # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
     # Adam's moments), and the new state could not reuse the donated buffers.
     if policy.loss_scaling:
@@ -186,7 +202,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     def update(state):
       # The learning rate is the schedule of the train step, skipped steps included.
       opt_state = schedule_at(state['opt_state'], state['step'])
-      updates, opt_state = tx.update(grads, opt_state, params)
+      update_grads = grads
+      if update_shardings is not None:
+        # Split to the optimizer's layout at their true shape, so that padding them is local
+        # (split after padding, an uneven gradient was gathered whole beside itself: 100m ZeRO-1
+        # on 512 devices, 0.42 GiB more).
+        update_grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+      padded = (lambda tree: tree) if update_shapes is None else update_shapes.fit
+      updates, opt_state = tx.update(padded(update_grads), opt_state, padded(params))
       if update_shardings is not None:
         updates = jax.lax.with_sharding_constraint(updates, update_shardings)
       return {**state, 'params': apply_updates(params, updates, layer_writes),

@@ -17,11 +17,15 @@ from parallel.sharding import replicated
 from train.step import token_losses
 
 
-def make_eval_loop(graphdef, stack=None):
+def make_eval_loop(graphdef, stack=None, model_shapes=None):
   """eval_loop(params, frozen, batches) -> (summed loss, predicted targets), each
   [batches, rows]: `batches` holds arrays [batches, rows, length]; frozen is the LoRA base ({}
-  without LoRA); `stack`: how the blocks run (the train step's pipeline)."""
+  without LoRA); `stack`: how the blocks run (the train step's pipeline); `model_shapes`: the
+  true shapes of (params, frozen) where they are stored padded (train/step.py)."""
   def eval_loop(params, frozen, batches):
+    if model_shapes is not None:
+      params, frozen = model_shapes[0].fit(params), model_shapes[1].fit(frozen)
+
     def one_batch(_, batch):
       losses = token_losses(graphdef, params, frozen, batch, stack=stack)
       return None, (losses.sum(-1), (batch['targets'] >= 0).sum(-1))
@@ -60,7 +64,7 @@ class Evaluator:
     self._batches = batches
     self._bytes_per_token = bytes_per_token
     with s.context():
-      self._loop = jax.jit(make_eval_loop(s.layout.graphdef, s.stack),
+      self._loop = jax.jit(make_eval_loop(s.layout.graphdef, s.stack, s.layout.model_shapes),
                            in_shardings=(s.layout.shardings['params'],
                                          s.layout.shardings.get('frozen', {}),
                                          {k: v.sharding for k, v in batches.items()}),
