@@ -63,6 +63,25 @@ def test_full_fine_tuning_loads_every_weight_sharded_under_zero3(hf_dir):
   assert kernel.addressable_shards[0].data.size * 8 == kernel.size
 
 
+def test_a_hugging_face_checkpoint_loads_into_a_mesh_that_pads_d_model(hf_dir):
+  """hidden_size 64 over 3 devices: stored padded to 66 (parallel/padding.py), the true weights
+  the checkpoint's, the padding zeros."""
+  config = tiny_config(**{'init_from': f'hf:{hf_dir}', 'mesh.data': 1, 'mesh.fsdp': 3,
+                          'parallel.zero_stage': 3, 'train.batch_size': 6})
+  s, source = _setup(config, devices=3)
+  one, _ = _setup(tiny_config(**{'init_from': f'hf:{hf_dir}'}), devices=1)
+  state = init_from.initial_state(s, source)
+  expected = traverse_util.flatten_dict(HFCheckpoint(hf_dir).read_all(one.layout.abstract['params']))
+  padded = 0
+  for path, held in traverse_util.flatten_dict(state['params']).items():
+    held = np.asarray(held)
+    true = tuple(slice(0, n) for n in expected[path].shape)
+    np.testing.assert_array_equal(held[true], expected[path])
+    assert np.count_nonzero(held) == np.count_nonzero(held[true])
+    padded += held.shape != expected[path].shape
+  assert padded
+
+
 def test_what_depends_on_the_weights_is_made_from_the_loaded_ones(hf_dir):
   """An fp32 master (bf16_master) starts as the loaded weights, and LSQ step sizes as 2 mean|w| /
   sqrt(7) of each loaded kernel's output channel, not of the random kernel they replace."""

@@ -103,3 +103,41 @@ def test_checkpoints_move_between_meshes_that_pad_otherwise_with_the_same_values
   for path, true in three.layout.unpadded.items():
     held = np.asarray(run._flat_paths(restored)[path])
     assert np.count_nonzero(held) == np.count_nonzero(held[tuple(slice(0, n) for n in true)])
+
+
+
+def _saved_run(directory, devices: int):
+  """A workdir as a run leaves it (config.json, one checkpoint) on `devices` devices, and the
+  state it saved."""
+  import json
+  config = _config(3, devices)
+  s = run.setup(config, jax.devices()[:devices])
+  state = s.layout.init()
+  checkpoints = Checkpointer(str(directory / 'checkpoints'), keep=1)
+  checkpoints.save(1, state, {'step': 1}, run.checkpoint_meta(s))
+  checkpoints.wait()
+  checkpoints.close()
+  with open(directory / 'config.json', 'w') as f:
+    json.dump(config.to_dict(), f)
+  return s, state
+
+
+@pytest.mark.parametrize('saved_on, loaded_on', [(3, 1), (1, 3)])
+def test_init_from_a_run_moves_weights_between_meshes_that_pad_otherwise(tmp_path, saved_on,
+                                                                         loaded_on):
+  from train import init_from
+  source_setup, source_state = _saved_run(tmp_path, saved_on)
+  config = _config(3, loaded_on)
+  config.init_from = f'run:{tmp_path}'
+  s = run.setup(config, jax.devices()[:loaded_on])
+  state = init_from.initial_state(s, run._open_source(config))
+  want, have = _true(source_setup, source_state), _true(s, state)
+  params = [p for p in want if p.startswith('params/')]
+  assert params and any(p in (s.layout.unpadded | source_setup.layout.unpadded) for p in params)
+  for path in params:
+    np.testing.assert_array_equal(have[path], want[path], err_msg=path)
+  with s.context():   # and it trains from there
+    tokens = random_tokens((6, 65))
+    _, metrics = s.train_step(state, {'inputs': jax.device_put(tokens[:, :-1], s.batch_sharding),
+                                      'targets': jax.device_put(tokens[:, 1:], s.batch_sharding)})
+  assert np.isfinite(float(metrics['loss']))

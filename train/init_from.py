@@ -37,7 +37,9 @@ from flax import nnx, traverse_util
 from models import ModelConfig
 from models.config import COMPUTE_FIELDS
 from models.lora import dense_paths
-from parallel.sharding import device_bytes, logical_axes_tree, shardings_for
+from parallel.padding import fit
+from parallel.sharding import (device_bytes, fit_to_shapes, logical_axes_tree,
+                               shardings_for)
 from quant import lsq
 from quant.weights import quantize_parts
 from train.checkpoint import Checkpointer
@@ -133,6 +135,8 @@ def _run_source(workdir: str) -> Source:
                     f'export it merged (python -m train.export_hf) and use init_from=hf:DIR')
   checkpoints = Checkpointer(directory, keep=1 << 30)
   step = checkpoints.latest_step()
+  # The true shapes of what the source's mesh stored padded (parallel/padding.py).
+  unpadded = ((checkpoints.read_meta(step) or {}).get('unpadded', {}) if step is not None else {})
   checkpoints.close()
   if step is None:
     raise InitError(f'init_from=run:{workdir}: {directory} holds no checkpoint')
@@ -140,12 +144,15 @@ def _run_source(workdir: str) -> Source:
   stored = ocp.PyTreeCheckpointer().metadata(state_dir)
   stored = getattr(stored, 'item_metadata', stored)['params']
 
+  def true_shape(path, node) -> tuple:
+    return tuple(unpadded.get('/'.join(('params',) + tuple(path)), node.shape))
+
   def check(path, shape):
     node = stored
     for key in path:
       node = node.get(key) if isinstance(node, dict) else None
-    if node is None or tuple(node.shape) != tuple(shape):
-      have = None if node is None else tuple(node.shape)
+    if node is None or true_shape(path, node) != tuple(shape):
+      have = None if node is None else true_shape(path, node)
       raise InitError(f'{state_dir}: params/{"/".join(path)} has shape {have} there but '
                       f'{tuple(shape)} in this config')
     return node
@@ -160,7 +167,8 @@ def _run_source(workdir: str) -> Source:
         {path: ocp.RestoreArgs(restore_type=np.ndarray)})}
     restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         item=item, restore_args=restore_args, partial_restore=True))
-    host = np.asarray(traverse_util.flatten_dict(restored['params'])[path]).astype(abstract.dtype)
+    host = np.asarray(traverse_util.flatten_dict(restored['params'])[path])
+    host = host[tuple(slice(0, n) for n in abstract.shape)].astype(abstract.dtype)   # no padding
     return functools.partial(_from_host, host, abstract)
 
   return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), reader,
@@ -210,10 +218,13 @@ def base_leaves(s) -> list[BaseLeaf]:
       continue
     if isinstance(placed[path], dict):   # quantized parts: read in the compute dtype, then quantized
       abstract = jax.ShapeDtypeStruct(shape.shape, spec.policy.compute_dtype,
-                                      sharding=float_shardings[path])
+                                      sharding=fit_to_shapes(shape, float_shardings[path]))
       leaves.append(BaseLeaf(path, abstract, kernels[path], quantized=True))
-    else:
-      leaves.append(BaseLeaf(path, placed[path], kernels.get(path)))
+    else:   # read at its true shape (stored padded where fsdp splits it unevenly: whole there)
+      stored = placed[path]
+      abstract = jax.ShapeDtypeStruct(shape.shape, stored.dtype,
+                                      sharding=fit_to_shapes(shape, stored.sharding))
+      leaves.append(BaseLeaf(path, abstract, kernels.get(path)))
   return leaves
 
 
@@ -249,7 +260,7 @@ def initial_state(s, source: Source) -> dict:
     values[leaf.path] = value
     step_path = leaf.path[:-1] + ('step_size',)
     if leaf.layer is not None and step_path in values:   # LSQ: step sizes of the loaded kernel
-      values[step_path] = _initial_step_sizes(leaf, value, shardings[step_path])
+      values[step_path] = _initial_step_sizes(leaf, value, stored[step_path])
   state[where] = traverse_util.unflatten_dict(values)
   if where == 'params':   # the optimizer starts from the loaded weights (its master copy, if any)
     state['opt_state'] = layout.init_optimizer(state['params'])
@@ -290,19 +301,24 @@ def storer(leaf: BaseLeaf, stored, sharding, base_format: str | None):
   n_in = len(leaf.layer.in_features) if leaf.layer is not None else 0
   if isinstance(sharding, dict):   # quantized parts: a hashable key for the cache
     sharding = tuple(sorted(sharding.items()))
+  shape = None if leaf.quantized else tuple(stored.shape)
   return _storer(base_format if leaf.quantized else None, n_in,
-                 None if leaf.quantized else jnp.dtype(stored.dtype), _stacked(leaf), sharding)
+                 None if leaf.quantized else jnp.dtype(stored.dtype), _stacked(leaf), sharding,
+                 shape)
 
 
 @functools.cache
-def _storer(base_format: str | None, n_in: int, dtype, stacked: bool, sharding):
+def _storer(base_format: str | None, n_in: int, dtype, stacked: bool, sharding, shape):
   """storer's jitted function, one per kind of weight (the same layer shapes and placement
-  recompile nothing, in one run or the next)."""
+  recompile nothing, in one run or the next). `shape`: the stored one, padded where the mesh pads
+  it (parallel/padding.py); None for quantized parts, which are stored as read."""
   sharding = dict(sharding) if isinstance(sharding, tuple) else sharding
   if base_format:   # QLoRA: quantized as soon as it is on the devices
     store = lambda w: quantize_parts(w, base_format, n_in, stacked=False)
+  elif stacked:
+    store = lambda w: fit(w.astype(dtype), shape[1:])
   else:
-    store = lambda w: w.astype(dtype)
+    store = lambda w: fit(w.astype(dtype), shape)
   if not stacked:
     return jax.jit(store, out_shardings=sharding)
 
@@ -364,14 +380,16 @@ def fresh_state(s, source: Source | None = None) -> dict:
   return initial_state(s, source or random_source(s))
 
 
-def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, sharding) -> jax.Array:
-  """LSQ's starting step sizes (quant/lsq.py) of a loaded kernel, per layer where it is stacked."""
+def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, stored) -> jax.Array:
+  """LSQ's starting step sizes (quant/lsq.py) of a loaded kernel, per layer where it is stacked,
+  from the kernel's true values (its padding cut off) and stored as `stored` says."""
   dense = leaf.layer
   n_in = len(dense.in_features)
   one = lambda k: lsq.initial_step_size(k, n_in, bits=4)
   if kernel.ndim > n_in + len(dense.out_features):
     one = jax.vmap(one)
-  return jax.jit(one, out_shardings=sharding)(kernel)
+  return jax.jit(lambda k: fit(one(fit(k, leaf.source.shape)), stored.shape),
+                 out_shardings=stored.sharding)(kernel)
 
 
 def _peak(compiled) -> int:
