@@ -137,7 +137,7 @@ def test_8bit_moments_are_counted_from_the_models_own_tensors(block):
                      reason='issue 30: the CPU terms are jax 0.10.2\'s; on jax 0.11.2 this '
                             'compiles 9.6 % above the estimate (within 1 % on 0.10.2 and 0.12.0.1)')),
 ])
-def test_the_formerly_worst_and_unbuildable_layouts_meet_the_compiler(tmp_path, preset, layout, was):
+def test_the_formerly_worst_layouts_meet_the_compiler(tmp_path, preset, layout, was):
   """Issue 30's worst rows at sizes that compile in seconds (sweeps/estimate.py runs them all):
   bf16 with fp32 weights, full remat, a sequence per device, 64 simulated devices (512 where the
   row is about padding; a child process: this one has 8); within 5 % of the installed jax's
