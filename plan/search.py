@@ -80,8 +80,6 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       continue
     for stage, m, precision, bits, remat in itertools.product(
         range(4), _divisors(batch // dp), PRECISIONS, ADAM_BITS, REMATS):
-      if stage and dp > 1 and cfg.d_model % dp:   # ZeRO shards the embed dimension of every weight
-        continue
       if stage and dp == 1:                        # nothing to shard over: the same as ZeRO-0
         continue
       if bits == 8 and t > 1:   # 8-bit moments are flattened into blocks, which tensor parallelism

@@ -141,3 +141,22 @@ def test_init_from_a_run_moves_weights_between_meshes_that_pad_otherwise(tmp_pat
     _, metrics = s.train_step(state, {'inputs': jax.device_put(tokens[:, :-1], s.batch_sharding),
                                       'targets': jax.device_put(tokens[:, 1:], s.batch_sharding)})
   assert np.isfinite(float(metrics['loss']))
+
+
+def test_8bit_moments_blocked_from_padded_weights_are_refused_on_a_mesh_that_pads_otherwise(
+    tmp_path):
+  """Their blocks follow the padded weight, so another padding would reorder them: one line."""
+  from train.checkpoint import CheckpointError
+  eight_bit = {'quant.adam_bits': 8, 'quant.adam_block_size': 256}
+  three = run.setup(tiny_config(**{**eight_bit, 'train.batch_size': 6, 'mesh.data': 1,
+                                   'mesh.fsdp': 3, 'parallel.zero_stage': 3}), jax.devices()[:3])
+  two = run.setup(tiny_config(**{**eight_bit, 'train.batch_size': 6, 'mesh.data': 1,
+                                 'mesh.fsdp': 2, 'parallel.zero_stage': 3}), jax.devices()[:2])
+  checkpoints = Checkpointer(str(tmp_path / 'c'), keep=1)
+  checkpoints.save(1, three.layout.init(), {'step': 1}, run.checkpoint_meta(three))
+  checkpoints.wait()
+  checkpoints.check_compatible(1, three.layout.abstract, run.checkpoint_meta(three))
+  with pytest.raises(CheckpointError, match=r'8-bit Adam moments of .* padded to \[2, 66, .* '
+                                            r'which this mesh holds unpadded'):
+    checkpoints.check_compatible(1, two.layout.abstract, run.checkpoint_meta(two))
+  checkpoints.close()

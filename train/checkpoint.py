@@ -136,6 +136,17 @@ class Checkpointer:
         if stored.get(key) != wanted.get(key):
           raise CheckpointError(f'{self.path(step)} was written with {key}={stored.get(key)!r}, '
                                 f'this config has {key}={wanted.get(key)!r}; {hint}')
+    if stored_meta is not None:
+      blocked, here = stored_meta.get('adam_blocked_from', {}), meta.get('adam_blocked_from', {})
+      held = lambda shape: f'padded to {shape}' if shape else 'unpadded'
+      for path in sorted(set(blocked) | set(here)):
+        if blocked.get(path) != here.get(path):
+          raise CheckpointError(
+              f'{self.path(step)} holds 8-bit Adam moments of {path} blocked from its weights '
+              f'{held(blocked.get(path))} (parallel/padding.py), which this mesh holds '
+              f'{held(here.get(path))}; 8-bit moments move only between meshes that pad alike: '
+              f'resume with the fsdp size that saved them '
+              f'({os.path.dirname(self.directory)}/config.json)')
     name = self._different_array(step, abstract_state, meta.get('unpadded'), stored_meta)
     if name is not None:
       have, want = name[1:]

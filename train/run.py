@@ -142,6 +142,13 @@ def checkpoint_meta(s: Setup) -> dict:
                        'quant': {'weights': s.config.quant.weights}}}
   if s.block_axes is not None:
     meta['adam_block_axes'] = s.block_axes
+    # 8-bit moments are blocked from the weights as the optimizer holds them, padded where this
+    # mesh pads them: another padding reorders their blocks, so it must be the same to resume.
+    true = _flat_paths(s.layout.true['params'])
+    padded = {path: list(shape) for (path, leaf), shape in
+              zip(true.items(), s.layout.update_shapes.leaves) if tuple(leaf.shape) != shape}
+    if padded:
+      meta['adam_blocked_from'] = padded
   if s.layout.unpadded:
     meta['unpadded'] = s.layout.unpadded
   return meta
