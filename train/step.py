@@ -17,7 +17,7 @@ from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
-from parallel.padding import fit
+from parallel.padding import Shapes, fit
 from optim.adamw import schedule_at
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
@@ -125,6 +125,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
 
   def train_step(state: dict, batch: dict):
     params, frozen = state['params'], state.get('frozen', {})
+    # The optimizer's state pads what the stored parameters do not (ZeRO-1/2 on an fsdp size
+    # that does not divide a dimension): its gradients and weights are padded for the update.
+    pads_update = update_shapes is not None and Shapes.of(params) != update_shapes
     # fp8 amax histories' updates are combined by their maximum (over microbatches and devices),
     # start from -inf and are not divided: the batch's amax, whatever the layout (quant/fp8.py).
     histories = jax.tree_util.tree_map_with_path(lambda path, _: is_history(path), params)
@@ -179,7 +182,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     if per_device is not None:   # the one data-parallel reduction of the step
       grad_sum = place(jax.tree.map(reduce_devices, grad_sum, histories))
       loss_sum = loss_sum.sum()
-    else:   # where the carry's layout is decided (an uneven split XLA would otherwise gather)
+    elif pads_update:
+      # Where the optimizer pads the gradients (parallel/padding.py), XLA otherwise gives the
+      # accumulator's carry the optimizer's uneven layout and gathers its zeros whole, padded
+      # (100m ZeRO-1 on 512 devices: 0.42 GiB more); elsewhere this constraint costs (7b ZeRO-1
+      # on 8 devices: 0.43 GiB more), so it is only here.
       grad_sum = place(grad_sum)
     # Back in each gradient's own dtype: an fp32 divisor would promote bf16 gradients (and with them
     # Adam's moments), and the new state could not reuse the donated buffers.
@@ -202,13 +209,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     def update(state):
       # The learning rate is the schedule of the train step, skipped steps included.
       opt_state = schedule_at(state['opt_state'], state['step'])
-      update_grads = grads
-      if update_shardings is not None:
+      update_grads, padded = grads, lambda tree: tree
+      if pads_update:
         # Split to the optimizer's layout at their true shape, so that padding them is local
-        # (split after padding, an uneven gradient was gathered whole beside itself: 100m ZeRO-1
-        # on 512 devices, 0.42 GiB more).
+        # (the accumulator's constraint above needs this one too).
         update_grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-      padded = (lambda tree: tree) if update_shapes is None else update_shapes.fit
+        padded = update_shapes.fit
       updates, opt_state = tx.update(padded(update_grads), opt_state, padded(params))
       if update_shardings is not None:
         updates = jax.lax.with_sharding_constraint(updates, update_shardings)
