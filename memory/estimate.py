@@ -400,11 +400,13 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   # The layer's weight gradient (fp32 on CPU, where bf16 matmuls run in fp32).
   weight_bytes = FP32 if upcasts(policy, shape.backend) else policy.param_bytes
   # Under ZeRO-3 the layer's weights are gathered twice around this point (for the recomputed
-  # forward and for the backward), each at its padded size where `fsdp` splits d_model unevenly:
-  # both sets' padding is on top of the one set counted (100m on 512 devices, bench/buffers.py:
-  # four [1024, 3072] gathered MLP weights at the peak; on 256 devices, where 768 divides, this
-  # estimate is -0.1 % without padding to count).
-  padding = 2 * (gathered(cfg, shape) - 1)
+  # forward and for the backward), at their padded size where `fsdp` splits d_model unevenly, and
+  # XLA keeps between one and two sets of them at the peak (100m on 512 devices, bench/buffers.py:
+  # four [1024, 3072] gathered MLP weights and four attention ones; beside them two unpadded fp32
+  # copies on jax 0.10.2, one on 0.12.0.1). One and a half sets' padding on top of the one set
+  # counted: compiled 0.1255 / 0.1080 GiB, estimate -4.2 / +3.2 % (jax 0.10.2 / 0.12.0.1); on 256
+  # devices, where 768 divides, there is no padding and the estimate is -0.1 / +0.6 %.
+  padding = 1.5 * (gathered(cfg, shape) - 1)
   return {'activations': shape.tokens * (common + max(mlp_point, attention_point)),
           'weights': weights * weight_bytes * (1 + padding)}
 
