@@ -17,8 +17,8 @@ from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
-from parallel.padding import Shapes, fit
 from optim.adamw import schedule_at
+from parallel.padding import Shapes, fit
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
 from precision.policy import Policy
 from quant.fp8 import is_history
