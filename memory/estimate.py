@@ -477,7 +477,11 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   table = cfg.embedding_params * FP32 / shape.tensor * gathered(cfg, shape)
   cpu_bf16 = upcasts(policy, shape.backend)
   # The head multiplies by an fp32 table that is not the parameter: gathered, or the CPU's copy.
-  table_copy = int(shape.gathers_params or cpu_bf16)
+  # XLA:CPU makes that copy on jax 0.11/0.12 too, which run other bf16 matmuls in bf16: the
+  # head's contraction over the table's second dimension still takes fp32 operands (1b ZeRO-1 on
+  # 8 devices, jax 0.12.0.1, bench/buffers.py: an f32[128256, 2048] convert at the peak).
+  cpu_head_copy = shape.backend == 'cpu' and jnp.dtype(policy.compute_dtype) == jnp.bfloat16
+  table_copy = int(shape.gathers_params or cpu_bf16 or cpu_head_copy)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
   # reduce-scatter (see `held`).
   full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
@@ -569,8 +573,14 @@ def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   ZeRO-3 on 8 devices, bench/layouts.py).
   Under ZeRO, XLA computes the part that needs no gradient (b1 * m) early and keeps that fp32
   moment shard live through the backward pass (measured: 3.14 GiB at 7B ZeRO-3, with 1 and with 4
-  microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing."""
+  microbatches); under DDP (the small preset, measured) it schedules it after, and it adds nothing.
+  XLA:CPU of jax 0.11/0.12 (bf16 matmuls in bf16) schedules it after the backward pass under
+  ZeRO-3 too (1b pure bf16 ZeRO-3 on 8 devices, jax 0.12.0.1, bench/buffers.py: the peak is the
+  embedding gradients' reduction, four fp32 vocabulary buffers and nothing of the moments; under
+  ZeRO-2 it is still there: tests/test_estimate.py's tiny bf16_master case, -10 % without it)."""
   if shape.adam_bits != 32 or policy.param_bytes >= FP32 or shape.zero_stage == 0:
+    return 0
+  if shape.backend == 'cpu' and not cpu_upcasts_bf16() and shape.zero_stage >= 3:
     return 0
   return shape.stage_params(cfg) * FP32 / shards(cfg, shape, 1)
 
