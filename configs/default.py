@@ -23,7 +23,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.name = f'default:{preset}'
   config.description = 'one device (or data parallel over all of them)'
   config.model = presets.model(preset)
-  config.model.remat = shape['remat']     # none | full | dots | qkv
+  config.model.remat = shape['remat']     # none | full | dots | qkv | offload | dots_offload
   config.precision = shape['precision']   # fp32 | bf16_mixed | bf16_master | bf16 | fp16
 
   config.train = dict(
@@ -72,6 +72,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, or circular (interleaved)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
       pipeline_repeats=1,                 # circular: layer chunks per stage (gpipe: 1)
+      offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed
+                                          # to the device a layer at a time for the update
+      offload_frozen=False,               # LoRA/QLoRA: the frozen base in host memory, streamed
+                                          # to the device a layer at a time
   )
   config.host_devices = 0                 # >0: with no accelerator, simulate this many CPU devices
   config.compile_cache = COMPILE_CACHE    # compiled programs kept here for reruns and resumes; '' = off

@@ -1,5 +1,13 @@
-"""Per-device memory of a compiled program, from XLA's memory analysis (no allocation needed)."""
+"""Per-device memory of a compiled program, from XLA's memory analysis (no allocation needed), its
+device and host memory apart."""
+import math
+import re
+
 GiB = 2.0**30
+HOST_MEMORY_SPACE = 'S(5)'   # XLA's layout tag of a buffer in (pinned) host memory
+_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2,
+          'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
+_ARRAY = re.compile(r'(\w+)\[([\d,]*)\](?:\{([^}]*)\})?')
 
 
 def format_bytes(n: float) -> str:
@@ -7,18 +15,57 @@ def format_bytes(n: float) -> str:
   return f'{n / GiB:,.2f} GiB' if n >= GiB else f'{n / GiB:.4f} GiB'
 
 
-def compiled_memory(compiled) -> dict:
-  """arguments, outputs, aliased (donated), temp and total bytes on one device.
-
-  total = arguments + outputs - aliased + temp: donated inputs share their buffers with the
+def _sizes(arguments, outputs, aliased, temp) -> dict:
+  """total = arguments + outputs - aliased + temp: donated inputs share their buffers with the
   outputs, so they count once."""
-  stats = compiled.memory_analysis()
-  arguments = int(stats.argument_size_in_bytes)
-  outputs = int(stats.output_size_in_bytes)
-  aliased = int(stats.alias_size_in_bytes)
-  temp = int(stats.temp_size_in_bytes)
   return {'arguments': arguments, 'outputs': outputs, 'aliased': aliased, 'temp': temp,
           'total': arguments + outputs - aliased + temp}
+
+
+def compiled_memory(compiled) -> dict:
+  """arguments, outputs, aliased (donated), temp and total bytes in one device's memory."""
+  return compiled_memory_spaces(compiled)[0]
+
+
+def compiled_memory_spaces(compiled) -> tuple[dict, dict]:
+  """(bytes in one device's memory, bytes in host memory for that device), each as arguments,
+  outputs, aliased, temp and total. XLA on GPU reports host bytes itself; XLA:CPU counts them with
+  the device's, so there they are read off the program's parameter and result layouts (a host
+  buffer's layout carries memory space 5) and taken out of the device's figures."""
+  stats = compiled.memory_analysis()
+  device = [int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+            int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)]
+  host = [int(getattr(stats, f'host_{k}_size_in_bytes', 0))
+          for k in ('argument', 'output', 'alias', 'temp')]
+  if not any(host):
+    host = host_edge_bytes(compiled.as_text()) + [0]
+    device = [d - h for d, h in zip(device, host + [0])]
+  return _sizes(*device), _sizes(*host)
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  count = math.prod(int(d) for d in dims.split(',') if d)
+  return math.ceil(count * (_BYTES[dtype] if dtype in _BYTES else int(dtype[1:]) / 8))
+
+
+def host_edge_bytes(hlo_text: str) -> list[int]:
+  """[arguments, outputs, aliased] bytes in host memory at the compiled program's edge (per
+  device: the entry layout has per-device shapes)."""
+  header = hlo_text.split('\n', 1)[0]
+  layout = re.search(r'entry_computation_layout=\{\((.*)\)->(.*)\}', header)
+  if layout is None:
+    return [0, 0, 0]
+
+  def arrays(part):
+    return [(_array_bytes(dtype, dims), HOST_MEMORY_SPACE in (tags or ''))
+            for dtype, dims, tags in _ARRAY.findall(part)]
+  params, results = arrays(layout.group(1)), arrays(layout.group(2))
+  aliases = re.search(r'input_output_alias=\{(.*?)\}\s*,\s*entry', header)
+  aliased = 0
+  for _, param in re.findall(r'\{(\d*)\}:\s*\((\d+),', aliases.group(1) if aliases else ''):
+    size, on_host = params[int(param)]
+    aliased += size if on_host else 0
+  return [sum(b for b, h in params if h), sum(b for b, h in results if h), aliased]
 
 
 def _device_stat(name: str) -> int | None:

@@ -41,14 +41,30 @@ def schedule_at(opt_state, step: jax.Array):
   return jax.tree.map(visit, opt_state, is_leaf=lambda n: isinstance(n, optax.ScaleByScheduleState))
 
 
+def clip_by_global_norm(max_norm: float, norm=None) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm (the same state, the same arithmetic), taking the gradients' global
+  norm from `norm` where given: an update run a layer at a time (train/offload.py) sees one
+  layer's gradients, not all of them."""
+  if norm is None:
+    return optax.clip_by_global_norm(max_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+    clip = lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm)
+    return jax.tree.map(clip, updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
                    amax_histories: bool = False, block_axes=None,
-                   master_dtype=None) -> optax.GradientTransformation:
+                   master_dtype=None, global_norm=None) -> optax.GradientTransformation:
   """AdamW with clipping. With `amax_histories` (fp8 delayed scaling), the histories' 'gradients'
   are their updates (quant/fp8.py): they are added as they are, outside clipping and Adam.
   `block_axes`: 8-bit moments only, the dimension each is blocked from (train/state.py).
   `master_dtype`: clipping and Adam run on a master copy of the weights in this dtype, kept in the
-  optimizer state (the policy's; None: on the weights themselves)."""
+  optimizer state (the policy's; None: on the weights themselves). `global_norm`: the gradients'
+  norm for clipping, computed by the caller (None: from the gradients the update is given)."""
   schedule = learning_rate_schedule(train_cfg)
   if amax_histories and block_axes is not None:
     # Adam sees the histories as masked (optax.multi_transform below): so must their block axes.
@@ -60,7 +76,7 @@ def make_optimizer(train_cfg, adam_bits: int = 32, block_size: int = 2048,
                     max_grad_norm=train_cfg.grad_clip, block_size=block_size,
                     block_axes=block_axes)
   else:
-    tx = optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
+    tx = optax.chain(clip_by_global_norm(train_cfg.grad_clip, global_norm),
                      optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2,
                                  weight_decay=train_cfg.weight_decay, mask=weight_decay_mask))
   if master_dtype is not None:

@@ -147,6 +147,40 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
     raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')
 
 
+def host_memory_refusal(what: str) -> str | None:
+  """Why `what` (a config key asking for host memory) cannot run here, or None: the devices
+  must offer JAX's `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31)."""
+  device = jax.devices()[0]
+  kinds = [m.kind for m in device.addressable_memories()]
+  if 'pinned_host' in kinds:
+    return None
+  return (f'{what} needs host memory (JAX memory kind pinned_host), which {device.platform} '
+          f'devices under jax {jax.__version__} do not offer (they have: {", ".join(kinds)}); '
+          f'set it to False')
+
+
+def offload(config, *, stages: int) -> None:
+  """`parallel.offload_*`: booleans, on devices with host memory, with what they stream."""
+  parallel = config.parallel
+  for key in ('offload_optimizer', 'offload_frozen'):
+    if not isinstance(parallel[key], bool):
+      raise ConfigError(f'parallel.{key}={parallel[key]!r}; it must be True or False')
+    if parallel[key] and (refused := host_memory_refusal(f'parallel.{key}=True')):
+      raise ConfigError(refused)
+  if parallel.offload_optimizer:
+    if config.quant.adam_bits == 8:
+      raise ConfigError('parallel.offload_optimizer=True with quant.adam_bits=8: 8-bit moments are '
+                        'blocked across layers, and the offloaded update streams one layer at a '
+                        'time; use quant.adam_bits=32 (or offload off)')
+    if stages > 1:
+      raise ConfigError(f'parallel.offload_optimizer=True with mesh.stage={stages}: the offloaded '
+                        f'update streams layers one at a time, which a pipeline splits over '
+                        f'devices; use mesh.stage=1 (or offload off)')
+  if parallel.offload_frozen and config.lora.rank == 0:
+    raise ConfigError('parallel.offload_frozen=True but nothing is frozen (lora.rank=0); set '
+                      'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')
+
+
 def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSchedule | None:
   """The pipeline `mesh.stage` and `parallel.pipeline_*` ask for (None: one stage), checked
   against the model's depth and the batch (after `check_config`)."""

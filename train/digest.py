@@ -10,13 +10,18 @@ unsigned integer and w_i an odd weight drawn from the element's position. Intege
 reduction order: a checkpoint saved on 8 devices verifies on 1. Any change to one element changes
 the digest (an odd weight is invertible mod 2**32, and a bit pattern changes by less than 2**32);
 changes to several cancel with probability 2**-32. It reads each array once, on the devices, in
-one fused reduction per array: no copy to the host, no gather.
+one fused reduction per array: no copy to the host, no gather. An array in host memory (an
+offloaded optimizer state) is brought to the devices a slice of its first dimension at a time,
+its slices' sums added.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from parallel.padding import fit
 
 _GOLDEN = np.uint32(0x9E3779B1)   # 2**32 / golden ratio: spreads consecutive positions
 
@@ -31,10 +36,11 @@ def _bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)
 
 
-def _position_weights(shape: tuple) -> jax.Array:
-  """An odd uint32 weight per element, from its row-major position (mod 2**32), built from one
-  iota per dimension so that it is laid out like the array (no reshape, so no resharding)."""
-  position = jnp.zeros(shape, jnp.uint32)
+def _position_weights(shape: tuple, offset=0) -> jax.Array:
+  """An odd uint32 weight per element, from its row-major position (mod 2**32) plus `offset`,
+  built from one iota per dimension so that it is laid out like the array (no reshape, so no
+  resharding)."""
+  position = jnp.full(shape, offset, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
     index = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
@@ -43,9 +49,24 @@ def _position_weights(shape: tuple) -> jax.Array:
   return position * _GOLDEN | np.uint32(1)
 
 
-def array_digest(x: jax.Array) -> jax.Array:
+def array_digest(x: jax.Array, offset=0) -> jax.Array:
+  """The digest of `x`, its elements' positions counted from `offset`."""
   x = jnp.asarray(x)
-  return jnp.sum(_bits(x) * _position_weights(x.shape), dtype=jnp.uint32)
+  return jnp.sum(_bits(x) * _position_weights(x.shape, offset), dtype=jnp.uint32)
+
+
+def _stored_digest(x: jax.Array, shape: tuple) -> jax.Array:
+  """The digest of stored `x` at its true `shape` (its padding cut off). In host memory, a slice of
+  the first dimension at a time is brought to the device (the whole of it might not fit there)."""
+  if x.ndim == 0 or jax.typeof(x).memory_space != jax.memory.Space.Host:
+    return array_digest(fit(jax.device_put(x, jax.memory.Space.Device), shape))
+  per_row = np.uint32(math.prod(shape[1:]) % 2**32)
+
+  def add_row(i, total):
+    row = jax.device_put(jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False),
+                         jax.memory.Space.Device)
+    return total + array_digest(fit(row, shape[1:]), i.astype(jnp.uint32) * per_row)
+  return jax.lax.fori_loop(0, shape[0], add_row, jnp.zeros((), jnp.uint32))
 
 
 @functools.partial(jax.jit, static_argnames='shapes')
@@ -54,9 +75,9 @@ def digest_arrays(tree, shapes=None):
   checkpoint save goes on while they are computed; `as_numbers` waits). `shapes`
   (parallel/padding.py:Shapes): the arrays' true shapes where they are stored padded; the digest
   is of the true array, the same on a mesh that pads it otherwise or not at all."""
-  if shapes is not None:
-    tree = shapes.fit(tree)
-  return jax.tree.map(array_digest, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  true = [x.shape for x in leaves] if shapes is None else shapes.leaves
+  return treedef.unflatten([_stored_digest(x, shape) for x, shape in zip(leaves, true, strict=True)])
 
 
 def as_numbers(digests) -> dict[str, int]:

@@ -3,6 +3,7 @@ layout, compile the step (and record its memory), create or restore the state, t
 checkpoint, and print a sample. `--dry_run` stops after the compile."""
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -14,7 +15,7 @@ from jax.experimental import multihost_utils
 
 import data as data_lib
 from data import prepare as data_prepare, source as data_source
-from memory.compiled import compiled_memory, peak_device_memory
+from memory.compiled import compiled_memory_spaces, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate
 from models.config import COMPUTE_FIELDS, ModelConfig
 from optim.adamw import make_optimizer
@@ -28,6 +29,7 @@ from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import Evaluator
 from train.loop import is_main, train_loop
+from train.offload import OffloadedOptimizer
 from train.preemption import StopRequests
 from train.sample import generate
 from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout
@@ -82,14 +84,19 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                       tokenizer_vocab=make_tokenizer(config).vocab_size)
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
+  checks.offload(config, stages=mesh.shape['stage'])
+  offload = config.parallel.get('offload_optimizer', False)
   rules = layout_rules(config.parallel.zero_stage)
   block_axes = (_block_axes(moment_block_axes(spec, mesh, rules), stored_block_axes)
                 if config.quant.adam_bits == 8 else None)
-  tx = make_optimizer(config.train, config.quant.adam_bits, config.quant.adam_block_size,
-                      amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes,
-                      master_dtype=policy.master_dtype)
+  tx_for_norm = functools.partial(
+      make_optimizer, config.train, config.quant.adam_bits, config.quant.adam_block_size,
+      amax_histories=policy.matmul.delayed_scaling, block_axes=block_axes,
+      master_dtype=policy.master_dtype)
+  tx = tx_for_norm()
   try:
-    layout = state_layout(spec, tx, mesh, rules)
+    layout = state_layout(spec, tx, mesh, rules, host_optimizer=offload,
+                          host_frozen=config.parallel.get('offload_frozen', False))
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   # Per-device accumulation (train/step.py) where gradients are replicated over more than one
@@ -106,7 +113,13 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             update_shardings=layout.update_shardings,
                             layer_writes=layout.layer_writes,
                             model_shapes=layout.model_shapes,
-                            update_shapes=layout.update_shapes)
+                            update_shapes=layout.update_shapes,
+                            offload=OffloadedOptimizer(
+                                lambda norm: tx_for_norm(global_norm=norm), layout.stacked,
+                                layout.layer_shardings, _keyed(layout.update_shardings),
+                                dict(zip(_keyed(layout.true['params']),
+                                         layout.update_shapes.leaves, strict=True)))
+                            if offload else None)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
@@ -114,6 +127,11 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                        out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
                None if block_axes is None else _flat_paths(block_axes), schedule, feed)
+
+
+def _keyed(tree) -> dict:
+  return {jax.tree_util.keystr(path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _flat_paths(tree) -> dict:
@@ -184,6 +202,7 @@ def compile_and_report(s: Setup) -> tuple[object, dict]:
 def memory_report(s: Setup, compiled) -> dict:
   trainable, base = s.spec.sizes()
   collectives = collective_stats(compiled.as_text(), s.mesh.size)
+  device_bytes, host_bytes = compiled_memory_spaces(compiled)
   report = {
       'num_params': s.model.num_params,
       'trainable_params': trainable,
@@ -191,7 +210,7 @@ def memory_report(s: Setup, compiled) -> dict:
       'mesh': dict(s.mesh.shape),
       'device_kind': s.mesh.devices.flat[0].device_kind,
       'zero_stage': s.config.parallel.zero_stage,
-      'per_device_bytes': compiled_memory(compiled),
+      'per_device_bytes': device_bytes,
       'estimate_bytes': estimated_bytes(s),
       # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
       # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
@@ -200,6 +219,9 @@ def memory_report(s: Setup, compiled) -> dict:
   }
   if s.pipeline is not None:
     report['pipeline'] = s.pipeline.report(s.model.num_layers, collectives)
+  if host_bytes['total']:   # state in host memory (parallel.offload_*): per device, and per host
+    report['host_bytes'] = {**host_bytes,
+                            'per_host': host_bytes['total'] * len(s.mesh.local_devices)}
   return report
 
 

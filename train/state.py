@@ -98,6 +98,11 @@ class StateLayout:
   init: Callable[[], Any]  # jitted: creates the state already sharded
   init_fn: Callable[[], Any]   # the same, not jitted (train/init_from.py jits parts of it)
   init_optimizer: Callable[[Any], Any]   # jitted: a fresh optimizer state for given parameters
+  # Each parameter stacked on a `layers` axis that no device splits (True/False, a tree like the
+  # parameters), and for those, path -> the sharding one layer is stored in: the update of an
+  # optimizer state in host memory streams them a layer at a time (train/offload.py).
+  stacked: Any = None
+  layer_shardings: dict = dataclasses.field(default_factory=dict)
 
   @property
   def model_shapes(self) -> tuple[Shapes, Shapes]:
@@ -142,9 +147,12 @@ def build_model(model_cfg: ModelConfig, policy: Policy, seed: int) -> Transforme
 
 
 def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
-                 rules: LayoutRules) -> StateLayout:
+                 rules: LayoutRules, host_optimizer: bool = False,
+                 host_frozen: bool = False) -> StateLayout:
   """Raises ValueError naming a parameter dimension that a model-parallel mesh axis does not
-  divide (the ZeRO axis's uneven splits are padded)."""
+  divide (the ZeRO axis's uneven splits are padded). `host_optimizer`, `host_frozen`: the
+  optimizer's state, or the frozen base, lives in (pinned) host memory, sharded as it would be
+  on the devices."""
   abstract_model = nnx.eval_shape(spec.build)
   graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, spec.trainable, ...)
   axes = logical_axes_tree(abstract_params)
@@ -173,10 +181,14 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
       tx, lambda leaf, sharding: leaf if masked(leaf) else _moment_sharding(leaf, sharding, mesh),
       true['opt_state'], moment_sharding, transform_non_params=lambda _: whole,
       is_leaf=lambda x: is_quantized_moment(x) or masked(x))
+  if host_optimizer:
+    opt_sharding = in_host_memory(opt_sharding)
   shardings = {'step': whole, 'params': params_sharding, 'opt_state': opt_sharding,
                'loss_scale': jax.tree.map(lambda _: whole, true['loss_scale'])}
   if 'frozen' in true:
     shardings['frozen'] = frozen_shardings(abstract_rest, true['frozen'], mesh, rules)
+    if host_frozen:
+      shardings['frozen'] = in_host_memory(shardings['frozen'])
   abstract = padded_abstract(true, shardings)
   # The optimizer's state as the unpadded parameters make it: the true shapes of its padded parts.
   true = {**true, 'opt_state': jax.eval_shape(tx.init, shapes)}
@@ -186,7 +198,26 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
   return StateLayout(graphdef, abstract, true, shardings, grad_sharding, moment_sharding,
                      update_shapes, layer_writes(axes, params_sharding, moment_sharding),
                      jax.jit(init_stored, out_shardings=shardings), init_stored,
-                     jax.jit(init_optimizer, out_shardings=opt_sharding))
+                     jax.jit(init_optimizer, out_shardings=opt_sharding),
+                     *stacked_layers(axes, params_sharding))
+
+
+def in_host_memory(shardings):
+  """The same placements in pinned host memory."""
+  return jax.tree.map(lambda s: s.with_memory_kind('pinned_host'), shardings)
+
+
+def stacked_layers(axes, params_sharding):
+  """(a tree like the parameters: True where a weight is stacked on a `layers` axis that no
+  device splits; path -> the sharding of one layer of each such weight)."""
+  def one(names, sharding):
+    spec = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
+    return names[:1] == ('layers',) and shard_ways(sharding.mesh, spec[0]) == 1
+  stacked = jax.tree.map(one, axes, params_sharding, is_leaf=lambda x: isinstance(x, tuple))
+  shardings = {path: NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:]))
+               for (path, s), (_, is_stacked) in zip(_keyed(params_sharding), _keyed(stacked))
+               if is_stacked}
+  return stacked, shardings
 
 
 def layer_writes(axes, params_sharding, update_sharding) -> dict:

@@ -83,7 +83,7 @@ def apply_updates(params, updates, layer_writes: dict | None = None):
 def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, microbatches: int,
                     grad_shardings=None, per_device=None, dropout_seed: int | None = None,
                     stack=None, update_shardings=None, layer_writes=None, model_shapes=None,
-                    update_shapes=None):
+                    update_shapes=None, offload=None):
   """`grad_shardings`: where gradients (and their accumulator) live. Sharded over `fsdp` (ZeRO-2/3),
   the data-parallel sum becomes a reduce-scatter and each device keeps only its slice, once per
   microbatch (as DeepSpeed does at these stages: the full-size sum never exists).
@@ -108,7 +108,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
   `model_shapes` = (params', frozen's) true shapes (parallel/padding.py:Shapes), where the state
   stores them padded: the model gets them cut to those inside the loss, so the gradients have the
   stored shapes and are zero in the padding. `update_shapes`: the shapes the optimizer's state pads
-  the parameters to (the gradients and parameters are padded to them for its update)."""
+  the parameters to (the gradients and parameters are padded to them for its update).
+
+  `offload`: the optimizer's state lives in host memory and the update streams it a layer at a
+  time (train/offload.py:OffloadedOptimizer); None: the update runs on the device in one piece."""
   def place(grads):
     return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
@@ -209,6 +212,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     def update(state):
       # The learning rate is the schedule of the train step, skipped steps included.
       opt_state = schedule_at(state['opt_state'], state['step'])
+      if offload is not None:
+        new_params, opt_state = offload.update(grads, opt_state, params, grad_norm, finite)
+        return {**state, 'params': new_params, 'opt_state': opt_state}
       update_grads, padded = grads, lambda tree: tree
       if pads_update:
         # Split to the optimizer's layout at their true shape, so that padding them is local
@@ -221,7 +227,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
       return {**state, 'params': apply_updates(params, updates, layer_writes),
               'opt_state': opt_state}
 
-    new_state = jax.lax.cond(finite, update, lambda state: state, state)
+    if offload is None:
+      new_state = jax.lax.cond(finite, update, lambda state: state, state)
+    else:   # it keeps the old values where the step is not finite, layer by layer
+      new_state = update(state)
     new_state = {**new_state, 'step': state['step'] + 1}
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'skipped': jnp.logical_not(finite)}
     bad = jnp.logical_not(finite)

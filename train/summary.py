@@ -48,6 +48,12 @@ def print_summary(s, memory: dict) -> None:
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
         + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
+  if 'host_bytes' in memory:
+    host = memory['host_bytes']
+    print(f'            host memory, compiled: {b(host["total"])} per device, {b(host["per_host"])} '
+          f'per host (offloaded state: arguments {b(host["arguments"])}, donated '
+          f'{b(host["aliased"])})' + ('; XLA:CPU counts what a step writes to host memory as '
+          'device temp' if s.mesh.devices.flat[0].platform == 'cpu' else ''))
   if 'init_bytes' in memory:
     init = memory['init_bytes']
     print(f'            creating the state, compiled: peak {b(init["peak"])} per device (the state '
