@@ -122,6 +122,8 @@ class StepShape:
   stages: int = 1        # size of the mesh's stage axis (pipeline parallelism)
   pipeline_microbatches: int = 1   # what the pipeline splits one microbatch into
   repeats: int = 1       # layer chunks per stage (circular schedule)
+  offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
+  offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
 
   @property
   def pipeline_iterations(self) -> int:
@@ -594,6 +596,51 @@ class Frozen:
   quantized: bool = False   # QLoRA: kernels dequantized one layer at a time inside the scan
 
 
+# The remat policies that keep in host memory what another keeps on the device: the same program
+# otherwise (models/llama.py).
+OFFLOADED_REMAT = {'offload': 'full', 'dots_offload': 'dots'}
+
+
+def offloaded(cfg: ModelConfig, policy: Policy, shape: StepShape,
+              frozen: Frozen | None = None) -> dict[str, float]:
+  """Bytes per device in host memory, by part (`total` their sum): the optimizer's state
+  (`parallel.offload_optimizer`), the saved activations (`model.remat=offload|dots_offload`) and
+  the frozen base (`parallel.offload_frozen`). Where the step writes host memory inside the
+  program (the new optimizer state, the activations) XLA:CPU keeps it in the device's temp: the
+  CPU estimate counts it there as well (`estimate`), and here too, as the host memory a GPU would
+  use."""
+  parts = {'optimizer': 0, 'activations': 0, 'frozen': 0}
+  if shape.offload_optimizer:
+    parts['optimizer'] = _state_bytes(cfg, policy, shape, frozen)
+  if cfg.remat in OFFLOADED_REMAT:
+    parts['activations'] = activation_bytes(
+        dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat]), policy, shape)
+  if shape.offload_frozen and frozen is not None:
+    parts['frozen'] = frozen.base_bytes * shape.stage_params(cfg) / cfg.num_params / shards(
+        cfg, shape, 3)
+  parts = {k: int(v) for k, v in parts.items()}
+  parts['total'] = sum(parts.values())
+  return parts
+
+
+def _state_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                 frozen: Frozen | None) -> float:
+  """The optimizer's state on one device: the model's, or with LoRA the adapters' (fp32 Adam)."""
+  if frozen is None:
+    return optimizer_bytes(cfg, policy, shape)
+  n = frozen.trainable * shape.stage_params(cfg) / cfg.num_params
+  return n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
+
+
+def streamed_state_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """An offloaded optimizer state's bytes on the device during the update (train/offload.py): one
+  layer's state, or the other weights' (embeddings, head, final norm) in one piece, whichever is
+  larger, brought over and sent back (twice)."""
+  per_value = (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
+  rest = cfg.num_params - cfg.num_layers * cfg.params_per_layer
+  return 2 * max(cfg.params_per_layer, rest) * per_value
+
+
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
              frozen: Frozen | None = None) -> dict[str, float]:
   """Bytes per device by part (see the module docstring); `total` is their sum.
@@ -601,7 +648,16 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   With `frozen` (LoRA) the parameters are the frozen base and the adapters, and the gradients,
   the moments and the update are the adapters' alone (as fp32 Adam, whatever `adam_bits`: the
   adapters are small); the activation terms are the full model's, since the backward pass still
-  runs through every layer. The base is sharded like parameters."""
+  runs through every layer. The base is sharded like parameters.
+
+  What lives in host memory (`offloaded`) is not counted on the device, except what the step writes
+  there on XLA:CPU (see `offloaded`); on a GPU the device holds instead what streams through it:
+  one layer's optimizer state during the update, one layer's frozen base, one layer's block input
+  on its way to host memory."""
+  on_gpu = shape.backend != 'cpu'
+  offloads_activations = cfg.remat in OFFLOADED_REMAT
+  if offloads_activations:
+    cfg = dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat])
   n = shape.stage_params(cfg)
   p = policy.param_bytes
   params = n * p / shards(cfg, shape, 3)
@@ -663,6 +719,19 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
       'moment_fp32': (fp32_moment_bytes(cfg, policy, shape) if frozen is None else
                       fp32_moment_bytes(cfg, policy, shape) * n / cfg.num_params),
   }
+  if shape.offload_optimizer:   # the state's arguments are in host memory
+    parts['optimizer'] = streamed_state_bytes(cfg, policy, shape) if on_gpu else optimizer
+    if on_gpu:   # the moments reach the device a layer at a time, inside the update
+      parts['moment_fp32'] = 0
+  if shape.offload_frozen and frozen is not None:
+    base = offloaded(cfg, policy, shape, frozen)['frozen']
+    parts['params'] -= base
+    if on_gpu:   # one layer's base on its way in, the next one's prefetched
+      parts['params'] += 2 * base / cfg.num_layers
+  if offloads_activations and on_gpu:
+    saved_on_host = activation_bytes(cfg, policy, shape)
+    parts['activations'] = max(0, parts['activations'] - saved_on_host) + 2 * (
+        saved_on_host / cfg.num_layers)
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())
   return parts

@@ -3,7 +3,7 @@ import dataclasses
 
 from models.attention import ATTENTIONS
 
-REMAT_POLICIES = ('none', 'full', 'dots', 'qkv')
+REMAT_POLICIES = ('none', 'full', 'dots', 'qkv', 'offload', 'dots_offload')
 # Fields that say how the step computes, not what the parameters are: a resume or a fine-tune may
 # change them freely, and a checkpoint or an imported model does not set them.
 COMPUTE_FIELDS = ('remat', 'attention', 'loss_chunk', 'scan_unroll')

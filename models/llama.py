@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import Recompute, checkpoint_name
 
 from models import lora
 from models.config import ModelConfig
@@ -23,10 +24,35 @@ from models.layers import Block, make_norm, rope_tables
 from models.loss import token_losses
 from precision.policy import Policy
 
+_TO_HOST = dict(offload_src='device', offload_dst='pinned_host')
+# The block's input, which the backward pass recomputes the block from: the scan keeps it per
+# layer on the device under `full`; the offload policies keep it in host memory instead.
+_OFFLOAD_INPUT = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=['block_input'], **_TO_HOST)
+_OFFLOAD_DOTS = jax.checkpoint_policies.offload_dot_with_no_batch_dims(**_TO_HOST)
+
+
+def weights_on_device(tree):
+  """`tree` with every array that lives in host memory (a frozen base under
+  `parallel.offload_frozen`) brought to the device; the rest as it is."""
+  host = jax.memory.Space.Host
+  return jax.tree.map(lambda w: jax.device_put(w, jax.memory.Space.Device)
+                      if jax.typeof(w).memory_space == host else w, tree)
+
+
+def _offload_input_and_dots(prim, *args, **params):
+  """`dots_offload`: what `dots` saves (the weight matmuls' outputs), and the block's input, in
+  host memory."""
+  case = _OFFLOAD_INPUT(prim, *args, **params)
+  return case if case is not Recompute else _OFFLOAD_DOTS(prim, *args, **params)
+
+
 _REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     'qkv': jax.checkpoint_policies.save_only_these_names('query', 'key', 'value'),
+    'offload': _OFFLOAD_INPUT,             # as `full`, the block inputs in host memory
+    'dots_offload': _offload_input_and_dots,   # as `dots`, what it saves in host memory
 }
 
 
@@ -147,7 +173,9 @@ class Transformer(nnx.Module):
 
     def layer(x, params, key, rows):
       """One block, a plain function of its (unstacked) weights, on the rows `rows` describes."""
-      block = nnx.merge(graphdef, params)
+      x = checkpoint_name(x, 'block_input')
+      # A base in host memory streams in a layer at a time (as the scan slices it).
+      block = nnx.merge(graphdef, weights_on_device(params))
       adapters = None if call is None else call.for_layer(key)
       if rows is None:
         return block(x, cos, sin, adapters)

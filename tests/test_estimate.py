@@ -40,6 +40,12 @@ CASES = [
                           'model.loss_chunk': 256}, marks=_NATIVE_BF16_DRIFT),
     ('fsdp', {'precision': 'fp32', 'train.seq_len': 1024, 'model.max_seq_len': 1024,
               'model.attention': 'xla'}),
+    # Host memory: the offloaded optimizer state and activations (on XLA:CPU the step writes what
+    # it sends to host memory into device temp, as the CPU estimate counts it; the LoRA base:
+    # tests/test_offload.py).
+    ('zero2', {'precision': 'bf16_master', 'parallel.offload_optimizer': True}),
+    ('fsdp', {'precision': 'bf16_mixed', 'parallel.offload_optimizer': True,
+              'model.remat': 'offload'}),
     # Pipelines: 4 stages x 2-way fsdp, GPipe and circular (bench/pipeline.py runs larger ones).
     ('pipeline', {'precision': 'fp32', 'model.num_layers': 8}),
     ('pipeline', {'precision': 'bf16_mixed', 'model.num_layers': 8, 'model.remat': 'full',

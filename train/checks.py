@@ -147,16 +147,19 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
     raise ConfigError(f'data.val_fraction={config.data.val_fraction!r}; allowed: (0, 0.5]')
 
 
-def host_memory_refusal(what: str) -> str | None:
+def host_memory_refusal(what: str, kinds: list[str] | None = None,
+                        platform: str | None = None) -> str | None:
   """Why `what` (a config key asking for host memory) cannot run here, or None: the devices
-  must offer JAX's `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31)."""
-  device = jax.devices()[0]
-  kinds = [m.kind for m in device.addressable_memories()]
+  (default: this process's; or their memory `kinds` and `platform`) must offer JAX's
+  `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31)."""
+  if kinds is None:
+    device = jax.devices()[0]
+    kinds, platform = [m.kind for m in device.addressable_memories()], device.platform
   if 'pinned_host' in kinds:
     return None
-  return (f'{what} needs host memory (JAX memory kind pinned_host), which {device.platform} '
-          f'devices under jax {jax.__version__} do not offer (they have: {", ".join(kinds)}); '
-          f'set it to False')
+  return (f'{what} needs host memory (JAX memory kind pinned_host), which {platform} devices '
+          f'under jax {jax.__version__} do not offer (they have: {", ".join(kinds)}); set it to '
+          f'False')
 
 
 def offload(config, *, stages: int) -> None:

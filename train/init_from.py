@@ -323,10 +323,16 @@ def _storer(base_format: str | None, n_in: int, dtype, stacked: bool, sharding, 
     return jax.jit(store, out_shardings=sharding)
 
   def write(whole, w, index):
-    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, index, 0),
-                        whole, store(w))
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(
+        x, _in_memory_of(x, y), index, 0), whole, store(w))
 
   return jax.jit(write, out_shardings=sharding, donate_argnums=0)
+
+
+def _in_memory_of(like: jax.Array, x: jax.Array) -> jax.Array:
+  """`x` in the memory `like` lives in (host memory for a base under parallel.offload_frozen)."""
+  space = jax.typeof(like).memory_space
+  return x if jax.typeof(x).memory_space == space else jax.device_put(x, space)
 
 
 @functools.cache

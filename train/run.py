@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 import data as data_lib
 from data import prepare as data_prepare, source as data_source
 from memory.compiled import compiled_memory_spaces, peak_device_memory
-from memory.estimate import Frozen, StepShape, estimate
+from memory.estimate import Frozen, StepShape, estimate, offloaded
 from models.config import COMPUTE_FIELDS, ModelConfig
 from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
@@ -203,6 +203,7 @@ def memory_report(s: Setup, compiled) -> dict:
   trainable, base = s.spec.sizes()
   collectives = collective_stats(compiled.as_text(), s.mesh.size)
   device_bytes, host_bytes = compiled_memory_spaces(compiled)
+  estimate_device, estimate_host = estimated_bytes(s)
   report = {
       'num_params': s.model.num_params,
       'trainable_params': trainable,
@@ -211,23 +212,25 @@ def memory_report(s: Setup, compiled) -> dict:
       'device_kind': s.mesh.devices.flat[0].device_kind,
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': device_bytes,
-      'estimate_bytes': estimated_bytes(s),
+      'estimate_bytes': estimate_device,
       # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
       # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
-      'estimate_gpu_bytes': estimated_bytes(s, backend='gpu'),
+      'estimate_gpu_bytes': estimated_bytes(s, backend='gpu')[0],
       'collectives_per_step': collectives,
   }
   if s.pipeline is not None:
     report['pipeline'] = s.pipeline.report(s.model.num_layers, collectives)
+  local = len(s.mesh.local_devices)
   if host_bytes['total']:   # state in host memory (parallel.offload_*): per device, and per host
-    report['host_bytes'] = {**host_bytes,
-                            'per_host': host_bytes['total'] * len(s.mesh.local_devices)}
+    report['host_bytes'] = {**host_bytes, 'per_host': host_bytes['total'] * local}
+  if estimate_host['total']:
+    report['estimate_host_bytes'] = {**estimate_host, 'per_host': estimate_host['total'] * local}
   return report
 
 
-def estimated_bytes(s: Setup, backend: str | None = None) -> dict:
+def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:
   """The analytic model's bytes per device (memory/estimate.py) for this setup's step, on
-  `backend` (default: the platform of the mesh's devices)."""
+  `backend` (default: the platform of the mesh's devices): (in device memory, in host memory)."""
   train = s.config.train
   rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
   shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
@@ -235,13 +238,15 @@ def estimated_bytes(s: Setup, backend: str | None = None) -> dict:
                     adam_bits=s.config.quant.adam_bits,
                     adam_block_size=s.config.quant.adam_block_size,
                     backend=backend or s.mesh.devices.flat[0].platform,
+                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
+                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                     **({} if s.pipeline is None else dict(
                         stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                         repeats=s.pipeline.repeats)))
   trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)
-  return estimate(s.model, s.policy, shape, frozen)
+  return estimate(s.model, s.policy, shape, frozen), offloaded(s.model, s.policy, shape, frozen)
 
 
 def _write_json(path: str, value) -> None:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.llama import weights_on_device
+
 
 def generate_batch(graphdef, params, prompts: list, *, num_tokens: int, window: int,
                    temperature: float, seed: int, vocab_limit: int | None = None,
@@ -48,6 +50,8 @@ def generate(graphdef, params, prompt, **kwargs) -> np.ndarray:
 def _run(graphdef, params, frozen, prompts, lengths, key, *, steps, window, temperature,
          vocab_limit, model_shapes):
   """[rows, steps] tokens after each row's prompt (rows padded to one length)."""
+  # A frozen base in host memory (parallel.offload_frozen) comes to the device for sampling.
+  frozen = weights_on_device(frozen)
   if model_shapes is not None:
     params, frozen = model_shapes[0].fit(params), model_shapes[1].fit(frozen)
 

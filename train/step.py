@@ -17,6 +17,7 @@ from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.hints import constrain
+from models.llama import weights_on_device
 from optim.adamw import schedule_at
 from parallel.padding import Shapes, fit
 from precision.loss_scale import MIN_LOSS_SCALE, update_loss_scale
@@ -35,6 +36,9 @@ def token_losses(graphdef, params, frozen, batch, dropout_key=None, stack=None) 
   `frozen`: the base weights under LoRA ({} otherwise); `dropout_key`: LoRA dropout on; `stack`:
   how the blocks run (a pipeline; None: one after another). A batch without `segments` is one
   document per row."""
+  # A frozen base in host memory: its block stack streams in a layer at a time inside the model;
+  # the embedding, head and final norm come to the device whole.
+  frozen = {k: v if k == 'blocks' else weights_on_device(v) for k, v in frozen.items()}
   model = nnx.merge(graphdef, params, frozen)
   return model.token_losses(batch['inputs'], batch['targets'], segments=batch.get('segments'),
                             dropout_key=dropout_key, stack=stack)
