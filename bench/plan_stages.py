@@ -14,7 +14,7 @@ _TARGETS = flags.DEFINE_list('targets', ['70b@64xH100-80GB', '405b@512xH100-80GB
 def main(argv):
   del argv
   from configs import default
-  from plan.search import MARGIN, evaluate, recipes
+  from plan.search import MARGIN, evaluate, host_fits, recipes
   from plan.target import parse_target
 
   print('| model @ target | stages allowed | recipes (fit) | best recipe | estimate GB/device | step s '
@@ -25,8 +25,8 @@ def main(argv):
     config, target = default.get_config(preset), parse_target(target_name)
     for stages in (False, True):
       candidates = [evaluate(config, r, target) for r in recipes(config, target, stages)]
-      fitting = sorted((c for c in candidates if c.estimate['total'] <= target.memory * (1 - MARGIN)),
-                       key=lambda c: c.seconds['total'])
+      fitting = sorted((c for c in candidates if c.device_bytes <= target.memory * (1 - MARGIN)
+                        and host_fits(c, target)), key=lambda c: c.seconds['total'])
       best_pipelined = next((c for c in fitting if c.recipe.stages > 1), None)
       for label, c in (('no', fitting[0] if fitting else None),
                        ('yes', fitting[0] if fitting else None),
@@ -35,7 +35,7 @@ def main(argv):
           continue
         s = c.seconds
         print(f'| {pair} | {label} | {len(candidates)} ({len(fitting)}) | {c.recipe} '
-              f'| {c.estimate["total"] / 1e9:.1f} | {s["total"]:.2f} | {s["compute"]:.2f} '
+              f'| {c.device_bytes / 1e9:.1f} | {s["total"]:.2f} | {s["compute"]:.2f} '
               f'| {s["data_parallel_comm"]:.2f} ({s["data_parallel_bytes"] / 1e9:.1f}) '
               f'| {s["tensor_comm"]:.2f} ({s["tensor_bytes"] / 1e9:.1f}) '
               f'| {s["pipeline_comm"]:.2f} ({s["pipeline_bytes"] / 1e9:.2f}) |')

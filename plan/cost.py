@@ -19,6 +19,9 @@ printed with every plan.
   overlap with compute.
 - The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth (the
   weights and gradient, the moments, and an fp32 master copy where the policy keeps one).
+- With the optimizer state in host memory (`parallel.offload_optimizer`), the update also streams
+  that state (fp32 master and moments) to the device and back over the host link (PCIe or
+  NVLink-C2C), not overlapped: the update runs after the backward pass.
 - Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
   stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
   (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
@@ -32,7 +35,8 @@ from plan.target import Target
 from precision.policy import Policy
 
 MFU_ASSUMED = 0.45
-RECOMPUTE = {'none': 1.0, 'dots': 1.05, 'full': 8 / 6, 'qkv': 1.2}
+RECOMPUTE = {'none': 1.0, 'dots': 1.05, 'full': 8 / 6, 'qkv': 1.2, 'offload': 8 / 6,
+             'dots_offload': 1.05}
 ADAM_BYTES_TOUCHED = {32: 4 * 2 * 2, 8: 2 * 2 * 1}   # two moments, read and written, per parameter
 
 
@@ -46,6 +50,7 @@ class Recipe:
   microbatches: int
   stages: int = 1                  # pipeline stages (GPipe), across nodes
   pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
+  offload: bool = False            # the optimizer's state in host memory
 
   def mesh(self, devices: int) -> dict:
     ways = devices // (self.tensor * self.stages)
@@ -59,9 +64,10 @@ class Recipe:
   def __str__(self):
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches'
                 if self.stages > 1 else '')
+    offload = ', optimizer state in host memory' if self.offload else ''
     return (f'{self.precision}, Adam {self.adam_bits}-bit, ZeRO-{self.zero_stage}, '
             f'tensor {self.tensor}, remat {self.remat}, {self.microbatches} microbatch(es)'
-            f'{pipeline}')
+            f'{pipeline}{offload}')
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
@@ -107,9 +113,13 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   touched = sharded * (3 * param_bytes + 2 * policy.master_bytes
                        + ADAM_BYTES_TOUCHED[recipe.adam_bits])
   optimizer = touched / target.hbm
-  total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer
+  # An offloaded state comes over from host memory and goes back, every step.
+  host_bytes = 2 * sharded * (2 * policy.moment_bytes + policy.master_bytes) if recipe.offload else 0
+  host_transfer = host_bytes / target.host_link
+  total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer + host_transfer
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,
-          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'total': total,
+          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'host_transfer': host_transfer,
+          'total': total, 'host_bytes': host_bytes,
           # and the bytes behind the comm terms, per device per step
           'data_parallel_bytes': dp_bytes,
           'tensor_bytes': tp_bytes, 'pipeline_bytes': pipeline_bytes}

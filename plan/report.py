@@ -43,7 +43,13 @@ def compile_total(config, devices: int) -> int | str | None:
     with open(os.path.join(tmp, 'w', 'memory.json')) as f:
       memory = json.load(f)
     total = memory.get('per_device_bytes', {}).get('total')   # None: plan() says so
+    # What the step (and the state's creation) writes to host memory XLA:CPU keeps in device
+    # memory; on a GPU it is host memory (the creation's placement there is not yet measured on
+    # a GPU: WORKSPACE.md, issue 31).
+    host = memory.get('host_bytes', {}).get('outputs', 0)
+    total = None if total is None else total - host
     creation = memory.get('init_bytes', {}).get('peak')
+    creation = None if creation is None else creation - host
     return total if total is None or creation is None else max(total, creation)
 
 
@@ -68,16 +74,17 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   chosen, ranked = plan(config, target, lambda c: compile_total(c, target.count),
                         log=lambda line: print(f'            {line}', flush=True), stages=stages,
                         allow_pure_bf16=allow_pure_bf16)
-  print(f'\n| rank | recipe | estimate per device | step time (estimate) | compute | DP comm | TP comm '
-        f'| pipeline comm | compiled per device |')
-  print('|---:|---|---:|---:|---:|---:|---:|---:|---:|')
+  print(f'\n| rank | recipe | estimate per device | host memory per node | step time (estimate) | '
+        f'compute | DP comm | TP comm | pipeline comm | host transfer | compiled per device |')
+  print('|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for i, c in enumerate(ranked[:TOP], 1):
     s = c.seconds
     compiled = (_gb(c.compiled) if isinstance(c.compiled, (int, float)) else
                 'not compiled' if c.compiled is None else 'failed')
-    print(f'| {i} | {c.recipe} | {_gb(c.estimate["total"])} | {s["total"]:.2f} s | '
+    host = c.host.get('total', 0) * min(target.count, target.per_node)
+    print(f'| {i} | {c.recipe} | {_gb(c.device_bytes)} | {_gb(host)} | {s["total"]:.2f} s | '
           f'{s["compute"]:.2f} s | {s["data_parallel_comm"]:.2f} s | {s["tensor_comm"]:.2f} s | '
-          f'{s["pipeline_comm"]:.2f} s | {compiled} |')
+          f'{s["pipeline_comm"]:.2f} s | {s["host_transfer"]:.2f} s | {compiled} |')
   tokens = config.train.batch_size * config.train.seq_len
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'planned_config.py')
@@ -86,7 +93,7 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   planned.host_devices = 0
   header = (f'Planned on {datetime.date.today()} by\n  {command}\n\n'
             f'{chosen.recipe}\non {target}: compiled {_gb(chosen.compiled)} per device (estimate '
-            f'{_gb(chosen.estimate["total"])}; usable {_gb(target.memory * (1 - MARGIN))}), '
+            f'{_gb(chosen.device_bytes)}; usable {_gb(target.memory * (1 - MARGIN))}), '
             f'estimated {chosen.seconds["total"]:.2f} s per step, '
             f'{tokens / chosen.seconds["total"]:,.0f} tokens/s.\n\n'
             f'Run it on the target:  python main.py --config={path}\n'
@@ -95,7 +102,9 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   write_config(path, planned, header)
   with open(os.path.join(workdir, 'plan.json'), 'w', encoding='utf-8') as f:
     json.dump({'target': str(target), 'recipe': str(chosen.recipe), 'config': path,
-               'compiled_bytes': chosen.compiled, 'estimate_bytes': chosen.estimate['total'],
+               'compiled_bytes': chosen.compiled, 'estimate_bytes': chosen.device_bytes,
+               'host_bytes_per_node': chosen.host.get('total', 0) * min(target.count,
+                                                                         target.per_node),
                'step_seconds': chosen.seconds['total'], 'seconds': chosen.seconds,
                'tokens_per_sec': tokens / chosen.seconds['total']}, f, indent=2)
     f.write('\n')

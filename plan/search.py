@@ -20,13 +20,14 @@ import time
 
 import ml_collections
 
-from memory.estimate import Frozen, StepShape, estimate
+from memory.estimate import Frozen, StepShape, estimate, offloaded, streamed_state_bytes
 from plan.cost import MFU_ASSUMED, Recipe, step_seconds
 from plan.target import Target
 from precision.policy import get_policy
 from train import checks
 
 MARGIN = 0.10
+HOST_MARGIN = 0.20   # of a node's host memory, kept for the OS, the data loader and page cache
 PRECISIONS = ('bf16_master', 'bf16_mixed', 'bf16')
 ADAM_BITS = (32, 8)
 REMATS = ('none', 'dots', 'full')
@@ -40,9 +41,18 @@ class PlanError(ValueError):
 @dataclasses.dataclass
 class Candidate:
   recipe: Recipe
-  estimate: dict          # analytic bytes per device, by component
+  estimate: dict          # analytic bytes per device, by component (as XLA:CPU compiles the step)
   seconds: dict           # estimated step time, by component
   compiled: int | str | None = None   # bytes per device, or why it did not compile
+  host: dict = dataclasses.field(default_factory=dict)   # bytes per device in host memory, on a GPU
+
+  @property
+  def device_bytes(self) -> float:
+    """What the target's device holds: the estimate, less what the step writes to host memory,
+    which XLA:CPU keeps in device temp (an offloaded optimizer's new state), plus what a GPU
+    streams through the device instead (a layer's state at a time)."""
+    return (self.estimate['total'] - self.estimate.get('host_writes', 0)
+            + self.host.get('streamed', 0))
 
 
 def _divisors(n: int) -> list[int]:
@@ -61,6 +71,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.parallel.pipeline_schedule = 'gpipe'
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
   config.parallel.pipeline_repeats = 1
+  config.parallel.offload_optimizer = recipe.offload
   return config
 
 
@@ -89,6 +100,10 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       # GPipe: any count of pipeline microbatches from the stage count up that divides the rows.
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
         found.append(Recipe(precision, bits, stage, t, remat, m, p, pm))
+        # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and no
+        # pipeline (train/checks.py:offload).
+        if bits == 32 and p == 1:
+          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, offload=True))
   return found
 
 
@@ -102,10 +117,21 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches)
+  shape = dataclasses.replace(shape, offload_optimizer=recipe.offload)
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
-  return Candidate(recipe, estimate(cfg, policy, shape, _frozen(config, recipe.precision)),
+  frozen = _frozen(config, recipe.precision)
+  host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)
+  if recipe.offload:
+    host['streamed'] = streamed_state_bytes(cfg, policy, shape)
+  return Candidate(recipe, estimate(cfg, policy, shape, frozen),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
-                                policy, base_trains=not config.lora.rank))
+                                policy, base_trains=not config.lora.rank), host=host)
+
+
+def host_fits(candidate: Candidate, target: Target) -> bool:
+  """Whether the host memory of a node holds what its GPUs offload (under HOST_MARGIN)."""
+  gpus = min(target.count, target.per_node)
+  return candidate.host.get('total', 0) * gpus <= target.host_memory * (1 - HOST_MARGIN)
 
 
 def keeps_fp32_update(candidate: Candidate) -> bool:
@@ -140,18 +166,18 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
   if not candidates:
     raise PlanError(f'no recipe can split batch {config.train.batch_size} over {target}: the '
                     f'global batch must divide over the data-parallel devices')
-  fits = sorted((c for c in candidates if c.estimate['total'] <= budget),
+  fits = sorted((c for c in candidates if c.device_bytes <= budget and host_fits(c, target)),
                 key=lambda c: c.seconds['total'])
   fitting = [c for c in fits if allow_pure_bf16 or keeps_fp32_update(c)]
   if fits and not fitting:
     raise PlanError(
         f'on {target} only recipes without an fp32 master fit (the fastest: {fits[0].recipe}, '
-        f'{fits[0].estimate["total"] / 1e9:.1f} GB per device by the estimate): their optimizer '
+        f'{fits[0].device_bytes / 1e9:.1f} GB per device by the estimate): their optimizer '
         f'rounds every update to bf16; pass --plan_allow_pure_bf16 to accept that, or use more '
         f'devices')
   if not fitting:
-    closest = min(candidates, key=lambda c: c.estimate['total'])
-    need = closest.estimate['total']
+    closest = min(candidates, key=lambda c: c.device_bytes)
+    need = closest.device_bytes
     raise PlanError(
         f'nothing fits {target}: the smallest recipe ({closest.recipe}) needs an estimated '
         f'{need / 1e9:.1f} GB per device, {need / budget:.2f}x the {budget / 1e9:.1f} GB usable '
@@ -169,7 +195,7 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
       log(f'  {candidate.recipe}: {candidate.compiled} ({seconds})')
       continue
     verdict = 'fits' if candidate.compiled <= budget else 'does NOT fit'
-    log(f'  {candidate.recipe}: estimate {candidate.estimate["total"] / 1e9:.1f} GB, compiled '
+    log(f'  {candidate.recipe}: estimate {candidate.device_bytes / 1e9:.1f} GB, compiled '
         f'{candidate.compiled / 1e9:.1f} GB per device: {verdict} ({seconds})')
     if candidate.compiled <= budget:
       note = tradeoff(candidate, fits, budget)
@@ -198,9 +224,11 @@ def assumptions(target: Target) -> str:
   return (f'assumptions: {target}: {target.memory / 1e9:.3g} GB, {target.peak_bf16 / 1e12:.0f} '
           f'TFLOP/s bf16 peak at {MFU_ASSUMED:.0%} MFU, HBM {target.hbm / 1e12:.2f} TB/s, '
           f'{target.intra_node / 1e9:.0f} GB/s intra-node and {target.inter_node / 1e9:.1f} GB/s '
-          f'inter-node per GPU, {target.per_node} GPUs per node; a recipe fits under '
-          f'{1 - MARGIN:.0%} of the memory; data-parallel collectives overlap with compute, '
-          f'tensor-parallel ones do not (plan/cost.py)')
+          f'inter-node per GPU, {target.per_node} GPUs per node, host link '
+          f'{target.host_link / 1e9:.1f} GB/s per GPU, {target.host_memory / 1e9:.0f} GB host memory '
+          f'per node; a recipe fits under {1 - MARGIN:.0%} of the device memory and '
+          f'{1 - HOST_MARGIN:.0%} of the host\'s; data-parallel collectives overlap with compute, '
+          f'tensor-parallel ones and host transfers do not (plan/cost.py)')
 
 
 def tradeoff(chosen: Candidate, candidates: list[Candidate], budget: float) -> str | None:
@@ -210,7 +238,7 @@ def tradeoff(chosen: Candidate, candidates: list[Candidate], budget: float) -> s
   if not keeps_fp32_update(chosen):
     return (f'quality: {chosen.recipe.precision} updates bf16 weights directly (allowed by '
             f'--plan_allow_pure_bf16): a step below half a bf16 spacing of a weight is lost')
-  pure = [c for c in candidates if not keeps_fp32_update(c) and c.estimate['total'] <= budget]
+  pure = [c for c in candidates if not keeps_fp32_update(c) and c.device_bytes <= budget]
   if not pure:
     return None
   best = min(pure, key=lambda c: c.seconds['total'])

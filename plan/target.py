@@ -19,6 +19,8 @@ class Target:
   intra_node: float      # bytes/s per GPU per direction
   inter_node: float      # bytes/s per GPU
   per_node: int
+  host_link: float       # bytes/s per GPU per direction to host memory
+  host_memory: float     # bytes of host RAM per node
 
   def __str__(self):
     return f'{self.count}x{self.name}'

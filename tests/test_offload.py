@@ -198,3 +198,17 @@ def test_offload_that_cannot_run_is_refused_in_one_line():
                                        platform='tpu')
   assert message.count('\n') == 0 and 'pinned_host' in message and 'set it to False' in message
   assert checks.host_memory_refusal('x', kinds=['device', 'pinned_host'], platform='gpu') is None
+
+
+def test_an_offloaded_optimizer_state_is_created_a_weight_at_a_time_as_it_would_be_whole():
+  s = run.setup(config_for('fsdp', precision='bf16_master',
+                           **{'parallel.offload_optimizer': True}))
+  whole, pieces = jax.device_get(s.layout.init()), s.layout.create()
+  assert _kinds(pieces['opt_state']) == {OFFLOADED}
+  # the master copy from the weights before their rounding to bf16, as `init` makes it
+  for want, got in zip(jax.tree.leaves(whole), jax.tree.leaves(jax.device_get(pieces))):
+    np.testing.assert_array_equal(got, want)
+  from_params = jax.device_get(s.layout.create_optimizer(pieces['params']))
+  for want, got in zip(jax.tree.leaves(jax.device_get(s.layout.init_optimizer(pieces['params']))),
+                       jax.tree.leaves(from_params)):
+    np.testing.assert_array_equal(got, want)

@@ -263,7 +263,7 @@ def initial_state(s, source: Source) -> dict:
       values[step_path] = _initial_step_sizes(leaf, value, stored[step_path])
   state[where] = traverse_util.unflatten_dict(values)
   if where == 'params':   # the optimizer starts from the loaded weights (its master copy, if any)
-    state['opt_state'] = layout.init_optimizer(state['params'])
+    state['opt_state'] = layout.create_optimizer(state['params'])
   return state
 
 
@@ -382,7 +382,7 @@ def fresh_state(s, source: Source | None = None) -> dict:
   """A fresh run's train state: from `source` (init_from), else random; a random frozen base
   (LoRA, QLoRA) is drawn a layer at a time (random_source), never whole."""
   if source is None and 'frozen' not in s.layout.abstract:
-    return s.layout.init()
+    return s.layout.create()
   return initial_state(s, source or random_source(s))
 
 

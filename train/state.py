@@ -28,7 +28,7 @@ from models.dense import quantize_weights
 from models.lora import LoraSpec
 from optim.adam8bit import is_quantized_moment
 from optim.decay import is_matrix_weight
-from parallel.padding import Shapes, padded_abstract, unpadded_shapes
+from parallel.padding import Shapes, fit, padded_abstract, unpadded_shapes
 from parallel.rules import LayoutRules, mesh_axes
 from parallel.sharding import (check_divisible, fit_to_shapes, logical_axes_tree, replicated,
                                shard_ways, shardings_for)
@@ -103,6 +103,24 @@ class StateLayout:
   # optimizer state in host memory streams them a layer at a time (train/offload.py).
   stacked: Any = None
   layer_shardings: dict = dataclasses.field(default_factory=dict)
+  # An optimizer state in host memory is created one parameter's part at a time
+  # (`optimizer_in_pieces`); None: `init_optimizer` makes it whole.
+  optimizer_pieces: Callable[[Any], Any] | None = None
+
+  def create_optimizer(self, params):
+    """A fresh optimizer state for `params`, placed."""
+    return (self.init_optimizer if self.optimizer_pieces is None else self.optimizer_pieces)(params)
+
+  def create(self):
+    """A fresh train state, placed: `init`, or where the optimizer's state lives in host memory,
+    everything else first and that state from the parameters a piece at a time."""
+    if self.optimizer_pieces is None:
+      return self.init()
+    return {**self.init_without_optimizer(), 'opt_state': self.optimizer_pieces(None)}
+
+  def init_without_optimizer(self):
+    without = lambda tree: {k: v for k, v in tree.items() if k != 'opt_state'}
+    return jax.jit(lambda: without(self.init_fn()), out_shardings=without(self.shardings))()
 
   @property
   def model_shapes(self) -> tuple[Shapes, Shapes]:
@@ -199,7 +217,53 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
                      update_shapes, layer_writes(axes, params_sharding, moment_sharding),
                      jax.jit(init_stored, out_shardings=shardings), init_stored,
                      jax.jit(init_optimizer, out_shardings=opt_sharding),
-                     *stacked_layers(axes, params_sharding))
+                     *stacked_layers(axes, params_sharding),
+                     optimizer_in_pieces(tx, update_shapes, opt_sharding, true['opt_state'],
+                                         shapes, init_stored) if host_optimizer else None)
+
+
+def optimizer_in_pieces(tx: optax.GradientTransformation, update_shapes: Shapes, shardings,
+                        abstract_state, abstract_params, init_fn: Callable):
+  """(params or None -> optimizer state) made one parameter's part at a time, each by its own
+  jitted program whose outputs go to their (host memory) placement: XLA computes a program's
+  outputs on the device before moving them, so made whole, the state would all be on the device
+  at once (a 7B model's 81 GB). Each program makes one weight's master copy and moments (and the
+  step counts), the other parameters' parts masked (optax.MaskedNode); from `params`, or with
+  None from the initialiser `init_fn` as `init` makes them (its master copy from the weights
+  before they are rounded to their stored dtype), whose other outputs XLA does not compute."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  flat_params, params_def = jax.tree.flatten(abstract_params)
+  indices = params_def.unflatten(range(len(flat_params)))
+  owners = jax.tree.leaves(optax.tree_map_params(
+      tx, lambda _, i: i, abstract_state, indices, transform_non_params=lambda _: -1,
+      is_leaf=masked), is_leaf=masked)
+  state_def = jax.tree.structure(abstract_state, is_leaf=masked)
+
+  def keep_only(tree, i):
+    return state_def.unflatten([x if owner in (i, -1) or masked(x) else optax.MaskedNode()
+                                for x, owner in zip(jax.tree.leaves(tree, is_leaf=masked), owners,
+                                                    strict=True)])
+
+  def from_params(i):
+    def one(param):
+      tree = params_def.unflatten([param if j == i else optax.MaskedNode()
+                                   for j in range(len(flat_params))])
+      return tx.init(params_def.unflatten([x if masked(x) else fit(x, update_shapes.leaves[j])
+                                           for j, x in enumerate(params_def.flatten_up_to(tree))]))
+    return one
+
+  def create(params=None):
+    pieces = []
+    for i in range(len(flat_params)):
+      out = keep_only(shardings, i)
+      if params is None:
+        pieces.append(jax.jit(lambda i=i: keep_only(init_fn()['opt_state'], i),
+                              out_shardings=out)())
+      else:
+        pieces.append(jax.jit(from_params(i), out_shardings=out)(jax.tree.leaves(params)[i]))
+    return state_def.unflatten([jax.tree.leaves(pieces[max(owner, 0)], is_leaf=masked)[k]
+                                for k, owner in enumerate(owners)])
+  return create
 
 
 def in_host_memory(shardings):

@@ -47,13 +47,17 @@ def print_summary(s, memory: dict) -> None:
   print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
-        + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32') if estimated.get(k)))
+        + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32', 'host_writes') if estimated.get(k)))
   if 'host_bytes' in memory:
     host = memory['host_bytes']
-    print(f'            host memory, compiled: {b(host["total"])} per device, {b(host["per_host"])} '
-          f'per host (offloaded state: arguments {b(host["arguments"])}, donated '
-          f'{b(host["aliased"])})' + ('; XLA:CPU counts what a step writes to host memory as '
-          'device temp' if s.mesh.devices.flat[0].platform == 'cpu' else ''))
+    line = (f'            host memory, compiled: {b(host["total"])} per device, '
+            f'{b(host["per_host"])} per host')
+    if 'estimate_host_bytes' in memory:
+      line += f'; estimate: {b(memory["estimate_host_bytes"]["total"])} per device'
+    print(line)
+    if s.mesh.devices.flat[0].platform == 'cpu':
+      print('            (XLA:CPU keeps in device temp what a step writes to host memory: '
+            'host_writes above; a GPU does not)')
   if 'init_bytes' in memory:
     init = memory['init_bytes']
     print(f'            creating the state, compiled: peak {b(init["peak"])} per device (the state '
