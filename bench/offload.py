@@ -5,10 +5,12 @@ saved activations) in host memory. Estimates only; `main.py --dry_run` compiles 
 commands are in WORKSPACE.md, issue 31).
 
   python -m bench.offload
+  python -m bench.offload --compiled      # and 100m on 8 simulated devices, compiled
 """
-import dataclasses
+from absl import app, flags
 
-from absl import app
+_COMPILED = flags.DEFINE_bool('compiled', False, 'Also compile 100m on 8 simulated CPU devices '
+                              'under ZeRO-1/2/3 with and without offload, beside the estimate.')
 
 GB = 1e9
 # Full fine-tuning: bf16 weights, fp32 master, 32-bit Adam; one sequence of 2048 tokens a step.
@@ -55,8 +57,40 @@ def largest(memory_gb: float, width_preset: str, offload: bool) -> tuple[int, fl
   return best
 
 
+def compiled_table():
+  """100m on 8 simulated devices, bf16_master, one sequence per device: compiled device and host
+  bytes beside the CPU estimate, and the GPU estimate."""
+  import jax
+  from configs import default
+  from train import run
+  G = 2**30
+  print('| 100m, 8 devices | offload | compiled device GiB | estimate GiB (error) | compiled host '
+        'GiB | estimate host GiB | GPU estimate device GiB |')
+  print('|---|---|---:|---:|---:|---:|---:|')
+  for zero in (1, 2, 3):
+    for offload, remat in ((False, 'full'), (True, 'full'), (True, 'offload')):
+      config = default.get_config('100m')
+      for key, value in {'precision': 'bf16_master', 'mesh.data': 1, 'mesh.fsdp': 8,
+                         'parallel.zero_stage': zero, 'train.batch_size': 8,
+                         'train.microbatches': 1, 'model.remat': remat,
+                         'parallel.offload_optimizer': offload}.items():
+        default.override(config, key, value)
+      s = run.setup(config, jax.devices()[:8])
+      report = run.memory_report(s, run.compile_train_step(s))
+      device, estimate = report['per_device_bytes']['total'], report['estimate_bytes']['total']
+      host = report.get('host_bytes', {}).get('total', 0)
+      host_estimate = report.get('estimate_host_bytes', {}).get('total', 0)
+      what = ('optimizer' if offload else 'none') + (' + activations' if remat == 'offload' else '')
+      print(f'| ZeRO-{zero}, remat {remat} | {what} | {device / G:.4f} | {estimate / G:.4f} '
+            f'({100 * (estimate / device - 1):+.1f} %) | {host / G:.4f} | {host_estimate / G:.4f} '
+            f'| {report["estimate_gpu_bytes"]["total"] / G:.4f} |', flush=True)
+
+
 def main(argv):
   del argv
+  if _COMPILED.value:
+    import jax
+    jax.config.update('jax_num_cpu_devices', 8)
   print('| model, tokens a sequence | H100-80GBs | ZeRO | offload | device GB (estimate, GPU) | '
         'fits 72 GB | host GB per node | step s (model) | tokens/s (model) |')
   print('|---|---:|---:|---|---:|---|---:|---:|---:|')
@@ -80,6 +114,9 @@ def main(argv):
         layers, params = largest(memory, width, offload)
         print(f'| {memory} GB | {width} (d_model {"4096" if width == "7b" else "6144"}) | '
               f'{"yes" if offload else "no"} | {layers} | {params / 1e9:.2f} |')
+  if _COMPILED.value:
+    print()
+    compiled_table()
 
 
 if __name__ == '__main__':
