@@ -1,18 +1,22 @@
 """The optimizer's update with its state in host memory (`parallel.offload_optimizer`).
 
 The fp32 master copy and Adam's moments live in pinned host memory (train/state.py places them
-there); the device holds the weights and gradients. The update runs in two parts: the weights
-stacked on a `layers` axis (nearly all of the bytes) one layer at a time, in a loop that brings
-that layer's optimizer state to the device, updates it, sends the new state back to host memory
-and writes the layer's new weights into their own (donated) buffer; then the other weights
-(embeddings, head, final norm) in one piece. So the device holds one layer's optimizer state at a
-time (a 7B model's 12 bytes per parameter of state: 2.4 GB of its 81 GB), as ZeRO-Offload keeps
-Adam's state off the GPU.
+there); the device holds the weights and gradients. The update runs in two parts: first the
+weights that are not stacked (embedding, head, final norm) in one piece, their state brought over
+whole; then the weights stacked on a `layers` axis (nearly all of the bytes) in a scan over the
+layers, whose input is each layer's state sliced from host memory and brought to the device, and
+whose output is the layer's new state sent back to host memory (stacked there by the scan: the
+patterns XLA's GPU host offloader streams, parameter streaming and activation offloading); the
+layer's new weights are written into their own (donated) buffer. So the device holds one layer's
+optimizer state at a time (a 7B model's 12 bytes per parameter of state: 2.4 GB of its 81 GB), as
+ZeRO-Offload keeps Adam's state off the GPU; host memory holds the old and the new state during
+the update.
 
 Each part sees only its own gradients, so clipping takes the step's global norm
 (optim/adamw.py:clip_by_global_norm, from `tx_for_norm`); Adam and weight decay are elementwise, so
-the parts' updates are the whole update's, bit for bit. Both parts advance the step counts (Adam's
-bias correction, the schedule) from the same values: the new counts are the second part's.
+the parts' updates are the whole update's, but for that norm's summation order. Both parts advance
+the step counts (Adam's bias correction, the schedule) from the same values: the new counts are
+the first part's.
 
 XLA:CPU keeps host and device memory in the same RAM and jax lowers a placement inside a program
 only for GPU and TPU, so on CPU the transfers are no-ops and this is the same arithmetic as the
