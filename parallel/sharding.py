@@ -14,12 +14,15 @@ def shard_ways(mesh: Mesh, part) -> int:
 
 
 def device_bytes(tree, shardings=None) -> int:
-  """Bytes one device holds of a tree of arrays (abstract or real), each placed by its own
-  sharding or, given `shardings`, by the matching one of those (the largest shard of each)."""
+  """Bytes one device holds in its own memory of a tree of arrays (abstract or real), each placed
+  by its own sharding or, given `shardings`, by the matching one of those (the largest shard of
+  each); what is placed in host memory (memory kind `pinned_host`/`unpinned_host`) is not
+  counted."""
   leaves = jax.tree.leaves(tree)
   placed = jax.tree.leaves(shardings) if shardings is not None else [a.sharding for a in leaves]
   return sum(math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize
-             for a, sharding in zip(leaves, placed, strict=True))
+             for a, sharding in zip(leaves, placed, strict=True)
+             if sharding.memory_kind not in ('pinned_host', 'unpinned_host'))
 
 
 def logical_axes(variable) -> tuple:

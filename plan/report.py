@@ -43,13 +43,11 @@ def compile_total(config, devices: int) -> int | str | None:
     with open(os.path.join(tmp, 'w', 'memory.json')) as f:
       memory = json.load(f)
     total = memory.get('per_device_bytes', {}).get('total')   # None: plan() says so
-    # What the step (and the state's creation) writes to host memory XLA:CPU keeps in device
-    # memory; on a GPU it is host memory (the creation's placement there is not yet measured on
-    # a GPU: WORKSPACE.md, issue 31).
-    host = memory.get('host_bytes', {}).get('outputs', 0)
-    total = None if total is None else total - host
+    # What the step writes to host memory (an offloaded optimizer's new state) XLA:CPU keeps in
+    # device temp; on a GPU it is host memory.
+    if total is not None:
+      total -= memory.get('host_bytes', {}).get('outputs', 0)
     creation = memory.get('init_bytes', {}).get('peak')
-    creation = None if creation is None else creation - host
     return total if total is None or creation is None else max(total, creation)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
+from memory.compiled import compiled_memory_spaces
 from models import ModelConfig
 from models.config import COMPUTE_FIELDS
 from models.lora import dense_paths
@@ -399,9 +400,10 @@ def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, stored) -> jax.Array:
 
 
 def _peak(compiled) -> int:
-  """A compiled creation piece's own peak on one device: what it returns and its temporaries."""
-  stats = compiled.memory_analysis()
-  return int(stats.output_size_in_bytes) + int(stats.temp_size_in_bytes)
+  """A compiled creation piece's own peak on one device: what it returns to device memory and
+  its temporaries."""
+  device, _ = compiled_memory_spaces(compiled)
+  return device['outputs'] + device['temp']
 
 
 def creation_bytes(s, source: Source | None = None) -> dict:
@@ -413,9 +415,18 @@ def creation_bytes(s, source: Source | None = None) -> dict:
   one) being stored (`largest_store`: its float values and the store's temporaries), and where the
   loaded weights train, the optimizer state made from them."""
   state = device_bytes(s.layout.abstract)
-  if source is None and 'frozen' not in s.layout.abstract:
+  pieces = s.layout.optimizer_pieces
+  if source is None and 'frozen' not in s.layout.abstract and pieces is None:
     peak = _peak(s.layout.init.lower().compile())
     return {'peak': peak, 'state': state, 'first_piece': peak, 'largest_store': 0}
+  if source is None and 'frozen' not in s.layout.abstract:
+    # The optimizer state in host memory, made a weight at a time after the rest (state.py:create).
+    without = lambda tree: {k: v for k, v in tree.items() if k != 'opt_state'}
+    rest = jax.jit(lambda: without(s.layout.init_fn()), out_shardings=without(s.layout.shardings))
+    first_piece = _peak(rest.lower().compile())
+    largest = max(_peak(program.lower(*args).compile()) for program, args in pieces.programs())
+    return {'peak': max(first_piece, state + largest), 'state': state,
+            'first_piece': first_piece, 'largest_store': largest}
   spec, layout = s.spec, s.layout
   kernels_only = source is None or source.kernels_only
   leaves = [leaf for leaf in base_leaves(s) if leaf.layer is not None or not kernels_only]

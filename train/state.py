@@ -252,17 +252,21 @@ def optimizer_in_pieces(tx: optax.GradientTransformation, update_shapes: Shapes,
                                            for j, x in enumerate(params_def.flatten_up_to(tree))]))
     return one
 
-  def create(params=None):
-    pieces = []
+  def programs(params=None):
+    """(jitted program, its arguments) per parameter: from `params` (arrays or abstract), or
+    with None from the initialiser."""
     for i in range(len(flat_params)):
       out = keep_only(shardings, i)
       if params is None:
-        pieces.append(jax.jit(lambda i=i: keep_only(init_fn()['opt_state'], i),
-                              out_shardings=out)())
+        yield jax.jit(lambda i=i: keep_only(init_fn()['opt_state'], i), out_shardings=out), ()
       else:
-        pieces.append(jax.jit(from_params(i), out_shardings=out)(jax.tree.leaves(params)[i]))
+        yield jax.jit(from_params(i), out_shardings=out), (jax.tree.leaves(params)[i],)
+
+  def create(params=None):
+    pieces = [program(*args) for program, args in programs(params)]
     return state_def.unflatten([jax.tree.leaves(pieces[max(owner, 0)], is_leaf=masked)[k]
                                 for k, owner in enumerate(owners)])
+  create.programs = programs
   return create
 
 
