@@ -164,13 +164,14 @@ def host_memory_refusal(what: str, kinds: list[str] | None = None,
 
 def offload(config, *, stages: int) -> None:
   """`parallel.offload_*`: booleans, on devices with host memory, with what they stream."""
-  parallel = config.parallel
-  for key in ('offload_optimizer', 'offload_frozen'):
-    if not isinstance(parallel[key], bool):
-      raise ConfigError(f'parallel.{key}={parallel[key]!r}; it must be True or False')
-    if parallel[key] and (refused := host_memory_refusal(f'parallel.{key}=True')):
+  # A config saved before these keys existed (a run's config.json, a planned config) has neither.
+  offloads = {key: config.parallel.get(key, False) for key in ('offload_optimizer', 'offload_frozen')}
+  for key, value in offloads.items():
+    if not isinstance(value, bool):
+      raise ConfigError(f'parallel.{key}={value!r}; it must be True or False')
+    if value and (refused := host_memory_refusal(f'parallel.{key}=True')):
       raise ConfigError(refused)
-  if parallel.offload_optimizer:
+  if offloads['offload_optimizer']:
     if config.quant.adam_bits == 8:
       raise ConfigError('parallel.offload_optimizer=True with quant.adam_bits=8: 8-bit moments are '
                         'blocked across layers, and the offloaded update streams one layer at a '
@@ -179,7 +180,7 @@ def offload(config, *, stages: int) -> None:
       raise ConfigError(f'parallel.offload_optimizer=True with mesh.stage={stages}: the offloaded '
                         f'update streams layers one at a time, which a pipeline splits over '
                         f'devices; use mesh.stage=1 (or offload off)')
-  if parallel.offload_frozen and config.lora.rank == 0:
+  if offloads['offload_frozen'] and config.lora.rank == 0:
     raise ConfigError('parallel.offload_frozen=True but nothing is frozen (lora.rank=0); set '
                       'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')
 
