@@ -119,6 +119,7 @@ class StateLayout:
     return {**self.init_without_optimizer(), 'opt_state': self.optimizer_pieces(None)}
 
   def init_without_optimizer(self):
+    """The fresh state but its optimizer's (XLA does not compute what is not returned)."""
     without = lambda tree: {k: v for k, v in tree.items() if k != 'opt_state'}
     return jax.jit(lambda: without(self.init_fn()), out_shardings=without(self.shardings))()
 
