@@ -27,18 +27,19 @@ def compiled_memory(compiled) -> dict:
   return compiled_memory_spaces(compiled)[0]
 
 
-def compiled_memory_spaces(compiled) -> tuple[dict, dict]:
+def compiled_memory_spaces(compiled, hlo_text: str | None = None) -> tuple[dict, dict]:
   """(bytes in one device's memory, bytes in host memory for that device), each as arguments,
   outputs, aliased, temp and total. XLA on GPU reports host bytes itself; XLA:CPU counts them with
   the device's, so there they are read off the program's parameter and result layouts (a host
-  buffer's layout carries memory space 5) and taken out of the device's figures."""
+  buffer's layout carries memory space 5) and taken out of the device's figures. `hlo_text`:
+  `compiled.as_text()` where the caller has it already."""
   stats = compiled.memory_analysis()
   device = [int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
             int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)]
   host = [int(getattr(stats, f'host_{k}_size_in_bytes', 0))
           for k in ('argument', 'output', 'alias', 'temp')]
   if not any(host):
-    host = host_edge_bytes(compiled.as_text()) + [0]
+    host = host_edge_bytes(hlo_text if hlo_text is not None else compiled.as_text()) + [0]
     device = [d - h for d, h in zip(device, host + [0])]
   return _sizes(*device), _sizes(*host)
 

@@ -40,3 +40,16 @@ def reordered_rtol(n: int) -> float:
   different orders (another layout, another split into microbatches): each is within
   gamma_n ~ n 2**-24 of the exact sum (n roundings of at most half an ulp), so twice that apart."""
   return 2 * n * 2.0 ** -24
+
+
+def checkpoint_round_trip(state, step: int, abstract, directory: str):
+  """`state` saved at `step` in a fresh checkpoint directory and restored onto `abstract` (another
+  layout's): (the restored state, `state` as numpy arrays before the save)."""
+  from train.checkpoint import Checkpointer
+  saved = jax.tree.map(np.asarray, jax.device_get(state))
+  checkpoints = Checkpointer(directory, keep=1)
+  checkpoints.save(step, state, {}, {})
+  checkpoints.wait()
+  restored, _ = checkpoints.restore(step, abstract)
+  checkpoints.close()
+  return restored, saved

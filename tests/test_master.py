@@ -13,7 +13,7 @@ from optim.master import master_weights
 from parallel.collectives import partitioned_collectives
 from tests.test_layouts import batches, config_for
 from train import run
-from train.checkpoint import Checkpointer
+from tests.helpers import checkpoint_round_trip
 
 
 def train(s, state, steps=3):
@@ -109,12 +109,7 @@ def test_a_checkpoint_moves_between_zero3_and_one_device_with_the_master_intact(
   sharded = run.setup(config_for('fsdp', precision='bf16_master'))
   single = run.setup(config_for('ddp', precision='bf16_master'), jax.devices()[:1])
   state, _ = train(sharded, sharded.layout.init(), steps=2)
-  saved = jax.tree.map(np.asarray, jax.device_get(state))
-  checkpoints = Checkpointer(str(tmp_path / 'c'), keep=1)
-  checkpoints.save(2, state, {}, {})
-  checkpoints.wait()
-  restored, _ = checkpoints.restore(2, single.layout.abstract)
-  checkpoints.close()
+  restored, saved = checkpoint_round_trip(state, 2, single.layout.abstract, str(tmp_path / 'c'))
   for got, want in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(got, want)
   # and training goes on from it on the new mesh as it would have on the old one

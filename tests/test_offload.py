@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from optim.master import master_weights
-from tests.helpers import reordered_rtol, tiny_config
+from tests.helpers import checkpoint_round_trip, reordered_rtol, tiny_config
 from tests.test_layouts import config_for, train_from
 from train import checks, run
-from train.checkpoint import Checkpointer
 
 OFFLOADED = 'pinned_host'
 
@@ -105,12 +104,7 @@ def test_a_checkpoint_moves_between_offloaded_and_not_and_between_meshes(tmp_pat
                                    **{'parallel.offload_optimizer': offload_at == 'restore'}),
                         jax.devices()[:1])
   state, _ = _train(saving, saving.layout.init(), 2)
-  saved = jax.tree.map(np.asarray, jax.device_get(state))
-  checkpoints = Checkpointer(str(tmp_path / 'c'), keep=1)
-  checkpoints.save(2, state, {}, {})
-  checkpoints.wait()
-  restored, _ = checkpoints.restore(2, restoring.layout.abstract)
-  checkpoints.close()
+  restored, saved = checkpoint_round_trip(state, 2, restoring.layout.abstract, str(tmp_path / 'c'))
   assert _kinds(restored['opt_state']) == {OFFLOADED if offload_at == 'restore' else 'device'}
   for got, want in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(got, want)

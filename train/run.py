@@ -201,8 +201,9 @@ def compile_and_report(s: Setup) -> tuple[object, dict]:
 
 def memory_report(s: Setup, compiled) -> dict:
   trainable, base = s.spec.sizes()
-  collectives = collective_stats(compiled.as_text(), s.mesh.size)
-  device_bytes, host_bytes = compiled_memory_spaces(compiled)
+  text = compiled.as_text()
+  collectives = collective_stats(text, s.mesh.size)
+  device_bytes, host_bytes = compiled_memory_spaces(compiled, text)
   estimate_device, estimate_host = estimated_bytes(s)
   report = {
       'num_params': s.model.num_params,
