@@ -136,6 +136,39 @@ class Transformer(nnx.Module):
     x, head = self.hidden(tokens, segments=segments, dropout_key=dropout_key, stack=stack)
     return token_losses(head, x, targets, self.cfg.loss_chunk)
 
+  def loss_sum(self, tokens: jax.Array, targets: jax.Array, *, segments: jax.Array | None = None,
+               dropout_key: jax.Array | None = None, stack: 'Stack | None' = None) -> jax.Array:
+    """`token_losses` summed, in nats. A pipeline that runs the backward pass in its own loop
+    (`stack.runs_loss`: parallel/pipeline_1f1b.py) takes the final norm, head and loss in with
+    it, as a function of their weights on one microbatch's hidden states."""
+    if not getattr(stack, 'runs_loss', False):
+      return self.token_losses(tokens, targets, segments=segments, dropout_key=dropout_key,
+                               stack=stack).sum()
+    _, layer, layers, keys, rows, call = self._stack_inputs(tokens, None, segments, dropout_key,
+                                                            embed=False)
+    positions = (jnp.arange(tokens.shape[1])[None] if segments is None
+                 else segment_positions(segments))
+    # Split into microbatches with the tokens, unless one row serves all.
+    embed_rows = {'tokens': tokens, **({} if positions.shape[0] == 1 else {'positions': positions})}
+
+    def embed(weights, rows):
+      return self._embed_tokens(weights, rows['tokens'], rows.get('positions', positions))
+
+    norm_graph, norm_weights = nnx.split(self.final_norm)
+    head_key = (None if dropout_key is None
+                else jax.random.fold_in(dropout_key, self.cfg.num_layers))
+
+    def tail(weights, hidden, targets, microbatch):
+      key = None if head_key is None else jax.random.fold_in(head_key, microbatch)
+      head = self._head(None if call is None else call.for_layer(key), weights['head'])
+      hidden = nnx.merge(norm_graph, weights['norm'])(hidden)
+      return token_losses(head, hidden, targets, self.cfg.loss_chunk).sum()
+
+    return stack.loss_sum(layer, layers, keys, rows,
+                          embed=(embed, self._embed_weights(), embed_rows),
+                          tail=(tail, {'norm': norm_weights, 'head': self._head_weights()}),
+                          targets=targets)
+
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
              segments: jax.Array | None = None, dropout_key: jax.Array | None = None,
              reference: bool = False, stack: 'Stack | None' = None):
@@ -145,6 +178,19 @@ class Transformer(nnx.Module):
     position attends only within its document, and positions (rotary or learned) default to the
     index within the document. `stack` runs the block stack (default `scan_layers`; a pipeline is
     another)."""
+    x, layer, layers, layer_keys, row_inputs, call = self._stack_inputs(
+        tokens, positions, segments, dropout_key, reference)
+    stack = stack or functools.partial(scan_layers, unroll=self.cfg.scan_unroll)
+    x = self.final_norm(stack(layer, layers, x, layer_keys, row_inputs))
+
+    head_call = None if call is None else call.for_layer(
+        None if dropout_key is None else jax.random.fold_in(dropout_key, self.cfg.num_layers))
+    return x, self._head(head_call)
+
+  def _stack_inputs(self, tokens, positions, segments, dropout_key, reference=False, embed=True):
+    """What a Stack is given: (the first block's input (None unless `embed`), `layer`, the
+    stacked `layers`, their dropout keys, the per-row inputs), and the adapters' call (None: no
+    dropout, no reference)."""
     cfg = self.cfg
     if positions is None:
       # Without segments one row for all: the tables broadcast over any split of the batch.
@@ -157,12 +203,13 @@ class Transformer(nnx.Module):
       positions = positions if positions.shape[0] == 1 else jnp.concatenate([positions, positions])
       segments = None if segments is None else jnp.concatenate([segments, segments])
       active_rows = jnp.arange(2 * rows) < rows
-    x, cos, sin = self._embed(tokens, positions)
+    x = self._embed_tokens(self._embed_weights(), tokens, positions) if embed else None
+    cos, sin = self._rope(positions)
     row_inputs = None   # what a stack that splits the batch must split with x
     if segments is not None:
       row_inputs = {'segments': segments}
       if cos is not None:
-        row_inputs.update({name: jnp.broadcast_to(table, x.shape[:2] + table.shape[2:])
+        row_inputs.update({name: jnp.broadcast_to(table, tokens.shape + table.shape[2:])
                            for name, table in (('cos', cos), ('sin', sin))})
 
     call = (AdapterCall(None, active_rows)
@@ -183,28 +230,38 @@ class Transformer(nnx.Module):
 
     if cfg.remat != 'none':
       layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
-    stack = stack or functools.partial(scan_layers, unroll=cfg.scan_unroll)
-    x = self.final_norm(stack(layer, layers, x, layer_keys, row_inputs))
+    return x, layer, layers, layer_keys, row_inputs, call
 
-    head_call = None if call is None else call.for_layer(
-        None if dropout_key is None else jax.random.fold_in(dropout_key, cfg.num_layers))
-    return x, self._head(head_call)
-
-  @jax.named_scope('embed')
   def _embed(self, tokens: jax.Array, positions: jax.Array):
     """The input of the first block [batch, length, d_model], and the rotary tables (None with
     learned positions, which are added here)."""
-    cfg, dtype = self.cfg, self.policy.compute_dtype
+    return self._embed_tokens(self._embed_weights(), tokens, positions), *self._rope(positions)
+
+  def _rope(self, positions: jax.Array):
+    """The rotary tables (cos, sin) of `positions`, or (None, None) with learned positions."""
+    if self.positions is not None:
+      return None, None
+    return rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, scaling=self.cfg)
+
+  def _embed_weights(self) -> dict:
+    """What `_embed_tokens` reads: the table, and GPT-2's learned positions."""
+    weights = {'table': self.embedding[...]}
+    if self.positions is not None:
+      weights['positions'] = self.positions[...]
+    return weights
+
+  @jax.named_scope('embed')
+  def _embed_tokens(self, weights: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """tokens [batch, length] -> the first block's input [batch, length, d_model], a plain
+    function of `_embed_weights`."""
+    dtype = self.policy.compute_dtype
     # Vocabulary-parallel lookup: the table keeps its vocab split (over `tensor`) and is gathered
     # over any other axis first; left to itself XLA may copy the whole table to every device.
-    table = constrain(self.embedding[...], ('vocab', None))
+    table = constrain(weights['table'], ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(dtype)
-    if self.positions is None:
-      cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, scaling=cfg)
-    else:
-      cos = sin = None
-      x = x + jnp.take(self.positions[...], positions, axis=0).astype(dtype)
-    return constrain(x, ('batch', 'length', 'embed')), cos, sin
+    if 'positions' in weights:
+      x = x + jnp.take(weights['positions'], positions, axis=0).astype(dtype)
+    return constrain(x, ('batch', 'length', 'embed'))
 
   # ---- generation with a key/value cache ------------------------------------------------------
   def new_cache(self, rows: int, length: int) -> tuple[jax.Array, jax.Array]:
@@ -229,16 +286,21 @@ class Transformer(nnx.Module):
     x, cache = run_blocks(x, self.blocks, cache)
     return self._head(None)(self.final_norm(x)), cache
 
-  def _head(self, call: AdapterCall | None):
+  def _head_weights(self):
+    """What `_head` reads: the embedding table (tied), or the head's weights."""
+    return self.embedding[...] if self.cfg.tie_embeddings else nnx.split(self.head)[1]
+
+  def _head(self, call: AdapterCall | None, weights=None):
     """hidden [batch, n, d_model] -> fp32 logits [batch, n, vocab], as a plain function of arrays
     (its weights are read here), so that a scan over chunks of positions can run it. The product
     runs in the compute dtype and accumulates into fp32 logits: they are never rounded to 16 bits
     (a bf16 logit has 8 significant bits: at a logit of 16 it moves in steps of 1/8 nat)."""
     dtype = self.policy.compute_dtype
+    weights = self._head_weights() if weights is None else weights
     if self.cfg.tie_embeddings:
-      table = self.embedding[...].astype(dtype)
+      table = weights.astype(dtype)
       project = lambda x: jnp.einsum('bld,vd->blv', x, table, preferred_element_type=jnp.float32)
     else:
-      graphdef, state = nnx.split(self.head)
-      project = lambda x: nnx.merge(graphdef, state)(x, call)
+      graphdef = nnx.graphdef(self.head)
+      project = lambda x: nnx.merge(graphdef, weights)(x, call)
     return lambda x: constrain(project(x).astype(jnp.float32), ('batch', 'length', 'vocab'))

@@ -30,15 +30,30 @@ from flax import linen
 from jax.sharding import PartitionSpec
 
 STAGE_AXIS = 'stage'
-SCHEDULES = ('gpipe', 'circular')
+SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b')
+# The schedules that run the backward pass inside the pipeline's loop (parallel/pipeline_1f1b.py):
+# a microbatch's backward starts as soon as its forward has left the last stage.
+BACKWARD_IN_LOOP = ('1f1b', 'interleaved_1f1b')
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-  name: str           # gpipe | circular
+  name: str           # gpipe | circular | 1f1b | interleaved_1f1b
   stages: int         # P: the `stage` mesh axis
   microbatches: int   # M: per step (per gradient-accumulation microbatch)
-  repeats: int = 1    # R: chunks per stage (1 for gpipe)
+  repeats: int = 1    # R: chunks per stage (1 for gpipe and 1f1b)
+
+  @property
+  def backward_in_loop(self) -> bool:
+    return self.name in BACKWARD_IN_LOOP
+
+  @property
+  def forward_schedule(self) -> 'PipelineSchedule':
+    """The forward-only schedule with the same placement of chunks (gpipe's for 1f1b, circular's
+    for interleaved_1f1b): what evaluation runs, where nothing goes backward."""
+    if not self.backward_in_loop:
+      return self
+    return dataclasses.replace(self, name='gpipe' if self.repeats == 1 else 'circular')
 
   @property
   def items(self) -> int:
@@ -47,7 +62,64 @@ class PipelineSchedule:
 
   @property
   def iterations(self) -> int:
+    """Iterations of the compiled loop: forward ones (gpipe, circular), or ticks that each run a
+    forward and a backward slot (1f1b: parallel/pipeline_1f1b.py)."""
+    if self.backward_in_loop:
+      return self.repeats * self.stages + self.items + self.stages - 2
     return self.items + self.stages - 1
+
+  @property
+  def in_flight(self) -> int:
+    """1f1b: the stage inputs a stage keeps for its backward at most (the first stage's, from an
+    item's forward to its backward), whatever the count of microbatches."""
+    return min(2 * self.repeats * self.stages - 1, self.items)
+
+  def ticks(self) -> dict[str, np.ndarray]:
+    """1f1b: per tick and stage, [iterations, stages] each, what the stage does.
+
+    Items (a microbatch in one round of the ring) go in groups of P microbatches: group g, round r,
+    k-th of the group is item g R P + r P + k of microbatch g P + k (with R = 1 simply item m for
+    microbatch m). Item i's forward runs on stage p at tick i + p; its backward, from the last chunk
+    down, is backward item j = g R P + (R - 1 - r) P + k, on stage p at tick
+    T0 + j + P - 1 - p with T0 = R P - 1: on the last stage in the very tick its last chunk's forward
+    ends there. Every input arrives one tick before it is used: from the stage before (or, for the
+    next round, from the last stage round the ring) going forward, from the stage after (or the first
+    stage, round the ring) going back.
+
+    `f_valid`, `b_valid`: the slot works (not the bubble); `f_micro`, `b_micro`: the microbatch;
+    `f_chunk`, `b_chunk`: its chunk among the stage's R; `f_slot`, `b_slot`: where the stage input
+    is kept for the backward (`in_flight` slots, reused round robin); `f_first`: the input is the
+    embedding's output; `f_last`: the output goes to the head and loss; `b_first`: the incoming
+    gradient is the loss's; `b_last`: the outgoing one is the embedding output's."""
+    P, M, R = self.stages, self.microbatches, self.repeats
+    items, slots = M * R, self.in_flight
+    tick = np.arange(self.iterations)[:, None]
+    stage = np.arange(P)[None, :]
+
+    def decode(index):
+      valid = (index >= 0) & (index < items)
+      index = np.clip(index, 0, items - 1)
+      group, rnd, k = index // (R * P), (index // P) % R, index % P
+      return valid, group, rnd, k
+
+    f_valid, g, r, k = decode(tick - stage)
+    f_slot = (g * R * P + r * P + k) % slots
+    f = dict(f_valid=f_valid, f_micro=g * P + k, f_chunk=r, f_slot=f_slot,
+             f_first=f_valid & (stage == 0) & (r == 0),
+             f_last=f_valid & (stage == P - 1) & (r == R - 1))
+    b_valid, g, backwards_round, k = decode(tick - (R * P - 1) - (P - 1 - stage))
+    r = R - 1 - backwards_round
+    b = dict(b_valid=b_valid, b_micro=g * P + k, b_chunk=r, b_slot=(g * R * P + r * P + k) % slots,
+             b_first=b_valid & (stage == P - 1) & (r == R - 1),
+             b_last=b_valid & (stage == 0) & (r == 0))
+    return {k: np.broadcast_to(v, (self.iterations, P)).astype(np.int32 if v.dtype != bool else bool)
+            for k, v in {**f, **b}.items()}
+
+  @property
+  def phases(self) -> tuple[int, int]:
+    """1f1b: the ticks before any backward (forward only) and from which no forward runs
+    (backward only); between them both run."""
+    return self.repeats * self.stages - 1, self.items + self.stages - 1
 
   def table(self) -> np.ndarray:
     """[iterations, stages] int: the item (round r, microbatch m numbered r * M + m) that each
@@ -58,8 +130,14 @@ class PipelineSchedule:
 
   @property
   def bubble_fraction(self) -> float:
-    """Idle stage-iterations over all stage-iterations of the table."""
-    return float((self.table() < 0).mean())
+    """Idle stage-iterations over all stage-iterations of the table (1f1b: idle forward and
+    backward slots over all the slots its ticks run: the forward ones before the last forward,
+    the backward ones from the first backward on)."""
+    if not self.backward_in_loop:
+      return float((self.table() < 0).mean())
+    ticks, (first_backward, after_forwards) = self.ticks(), self.phases
+    slots = np.concatenate([ticks['f_valid'][:after_forwards], ticks['b_valid'][first_backward:]])
+    return float(1 - slots.mean())
 
   @property
   def final_slot(self) -> int:
@@ -101,10 +179,11 @@ class PipelineSchedule:
         'layers_per_stage': num_layers // P, 'iterations': self.iterations,
         'bubble_fraction': self.bubble_fraction,
         'bubble_formula': (P - 1) / (M * R + P - 1),
-        # Every stage runs the same program: each keeps the activations of all its iterations
-        # for the backward pass (the first stage's M in-flight microbatches, and the bubble's;
-        # circular keeps only each iteration's input and recomputes its chunk).
-        'saved_iterations_per_stage': self.iterations,
+        # Every stage runs the same program: under gpipe and circular each keeps the activations
+        # of all its iterations for the backward pass (the first stage's M in-flight microbatches,
+        # and the bubble's; circular keeps only each iteration's input and recomputes its chunk);
+        # under 1f1b each keeps the inputs of the items between their forward and backward.
+        'saved_iterations_per_stage': self.in_flight if self.backward_in_loop else self.iterations,
         'collective_permute': collectives['collective-permute'],
     }
 
@@ -117,12 +196,18 @@ class PipelineSchedule:
     P, M, R = self.stages, self.microbatches, self.repeats
     if self.name not in SCHEDULES:
       return f'parallel.pipeline_schedule={self.name!r}; allowed: {", ".join(SCHEDULES)}'
-    if not isinstance(R, int) or R < 1 or (self.name == 'gpipe' and R != 1):
+    if (not isinstance(R, int) or R < 1 or (self.name in ('gpipe', '1f1b') and R != 1)
+        or (self.name == 'interleaved_1f1b' and R < 2)):
       return (f'parallel.pipeline_repeats={R!r} with parallel.pipeline_schedule={self.name!r}; '
-              f'gpipe holds one chunk per stage (repeats=1), circular takes an integer >= 1')
+              f'gpipe and 1f1b hold one chunk per stage (repeats=1), circular takes an integer '
+              f'>= 1, interleaved_1f1b one >= 2')
     if not isinstance(M, int) or M < P:
       return (f'parallel.pipeline_microbatches={M!r} with mesh.stage={P}; at least {P} (one per '
               f'stage) keeps every stage busy outside the bubble')
+    if self.name == 'interleaved_1f1b' and M % P:
+      return (f'parallel.pipeline_microbatches={M} with mesh.stage={P} and '
+              f'parallel.pipeline_schedule=interleaved_1f1b; it runs the microbatches in groups '
+              f'of {P} (one per stage), so use a multiple of {P}')
     if num_layers % (P * R):
       return (f'model.num_layers={num_layers} does not split into mesh.stage={P} x '
               f'parallel.pipeline_repeats={R} = {P * R} chunks of equal depth; use a divisor of '
@@ -157,20 +242,13 @@ def pipelined(schedule: PipelineSchedule):
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     chunk = schedule.layers_per_chunk(num_layers)
 
-    def by_stage(a):   # [L, ...] -> [P, R, chunk, ...]: chunk r * P + p of the model on stage p
-      return a.reshape(R, P, chunk, *a.shape[1:]).swapaxes(0, 1)
-
-    # Placed on their stages here, once per step (for circular, a re-layout: the stored order is
-    # contiguous); left to itself XLA moves them inside the loop, at every iteration.
-    on_stages = lambda a: jax.lax.with_sharding_constraint(
-        a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
-    stage_layers = jax.tree.map(lambda a: on_stages(by_stage(a)), layers)
-    stage_keys = None if keys is None else by_stage(keys)
+    stage_layers = jax.tree.map(lambda a: on_stages(by_stage(a, P, R, chunk)), layers)
+    stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
     if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
       stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
       stage_keys = None if keys is None else stage_keys[:, 0]
-    micro = _split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
-    micro_rows = jax.tree.map(lambda a: _split_rows(jnp.asarray(a), M), rows)   # read per stage
+    micro = split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
+    micro_rows = jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), rows)   # read per stage
     # Every stage has its own ring with its own copy of the batch (each device held the batch
     # already), so that the batch's gradient is summed per stage and reduced over the stages
     # once, after the loop.
@@ -185,7 +263,7 @@ def pipelined(schedule: PipelineSchedule):
       if keys is not None:   # a dropout mask per layer and microbatch
         keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys)
       rows = jax.tree.map(lambda a: a[microbatch], micro_rows)
-      return _scan_chunk(layer, weights, held, keys, rows)
+      return scan_chunk(layer, weights, held, keys, rows)
 
     if R > 1:
       # The chunk's weights are picked per iteration; the backward pass would keep that pick,
@@ -216,25 +294,43 @@ def pipelined(schedule: PipelineSchedule):
     # last iteration.
     outputs = jax.lax.dynamic_update_index_in_dim(ring[0, M:2 * M], held[0],
                                                   schedule.final_slot - M, 0)
-    return _join_rows(outputs)
+    return join_rows(outputs)
 
   return stack
 
 
-def _scan_chunk(layer, weights, x, keys, rows):
+def by_stage(a: jax.Array, stages: int, repeats: int, chunk: int) -> jax.Array:
+  """[L, ...] -> [P, R, chunk, ...]: chunk r * P + p of the model on stage p."""
+  return a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
+
+
+def from_stages(a: jax.Array) -> jax.Array:
+  """`by_stage`'s inverse: [P, R, chunk, ...] -> [L, ...] in model order."""
+  a = a.swapaxes(0, 1)
+  return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
+
+
+def on_stages(a: jax.Array) -> jax.Array:
+  """`a` [P, ...] placed on the stages, once per step (for circular, a re-layout: the stored order
+  is contiguous); left to itself XLA moves the weights inside the loop, at every iteration."""
+  return jax.lax.with_sharding_constraint(
+      a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
+
+
+def scan_chunk(layer, weights, x, keys, rows):
   def body(x, inputs):
     params, key = inputs
     return layer(x, params, key, rows), None
   return jax.lax.scan(body, x, (weights, keys))[0]
 
 
-def _split_rows(x: jax.Array, parts: int) -> jax.Array:
+def split_rows(x: jax.Array, parts: int) -> jax.Array:
   """[rows, ...] -> [parts, rows / parts, ...], row i into part i mod parts: each data-parallel
   device keeps its own rows in every part."""
   split = x.reshape(x.shape[0] // parts, parts, *x.shape[1:]).swapaxes(0, 1)
   return linen.with_logical_constraint(split, (None, 'batch') + (None,) * (x.ndim - 1))
 
 
-def _join_rows(x: jax.Array) -> jax.Array:
+def join_rows(x: jax.Array) -> jax.Array:
   joined = x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
   return linen.with_logical_constraint(joined, ('batch',) + (None,) * (x.ndim - 2))

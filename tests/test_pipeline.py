@@ -101,6 +101,16 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
     'circular-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2), 'parallel.zero_stage': 1,
                            'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2,
                            'train.microbatches': 2},
+    '1f1b-fsdp-M8': {'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_microbatches': 8},
+    'interleaved_1f1b-fsdp-M8': {'parallel.pipeline_schedule': 'interleaved_1f1b',
+                                 'parallel.pipeline_repeats': 2, 'parallel.pipeline_microbatches': 8},
+    # Replicated gradients summed per data-parallel device (train/step.py's per_device).
+    '1f1b-tensor-data-M4': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2), 'parallel.zero_stage': 0,
+                            'parallel.pipeline_schedule': '1f1b'},
+    'interleaved_1f1b-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
+                                   'parallel.zero_stage': 1, 'train.microbatches': 2,
+                                   'parallel.pipeline_schedule': 'interleaved_1f1b',
+                                   'parallel.pipeline_repeats': 2},
 }
 BATCH = 16
 

@@ -22,6 +22,7 @@ from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.pipeline import PipelineSchedule, pipelined
+from parallel.pipeline_1f1b import OneFOneB
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
@@ -56,7 +57,7 @@ class Setup:
   @property
   def stack(self):
     """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
-    return None if self.pipeline is None else pipelined(self.pipeline)
+    return pipeline_stack(self.pipeline)
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
@@ -64,6 +65,14 @@ class Setup:
     stack.enter_context(jax.set_mesh(self.mesh))
     stack.enter_context(linen.logical_axis_rules(self.rules.activations))
     return stack
+
+
+def pipeline_stack(schedule: PipelineSchedule | None):
+  """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b),
+  or after all forwards (gpipe, circular); None (one stage): one after another."""
+  if schedule is None:
+    return None
+  return OneFOneB(schedule) if schedule.backward_in_loop else pipelined(schedule)
 
 
 def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
@@ -109,7 +118,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=None if schedule is None else pipelined(schedule),
+                            stack=pipeline_stack(schedule),
                             update_shardings=layout.update_shardings,
                             layer_writes=layout.layer_writes,
                             model_shapes=layout.model_shapes,

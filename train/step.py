@@ -31,27 +31,37 @@ def predicted(batch) -> jax.Array:
   return (batch['targets'] >= 0).sum()
 
 
+def _model(graphdef, params, frozen):
+  # A frozen base in host memory: its block stack streams in a layer at a time inside the model;
+  # the embedding, head and final norm come to the device whole.
+  frozen = {k: v if k == 'blocks' else weights_on_device(v) for k, v in frozen.items()}
+  return nnx.merge(graphdef, params, frozen)
+
+
 def token_losses(graphdef, params, frozen, batch, dropout_key=None, stack=None) -> jax.Array:
   """Next-token cross-entropy [rows, length] in nats, 0 where a target is not predicted.
   `frozen`: the base weights under LoRA ({} otherwise); `dropout_key`: LoRA dropout on; `stack`:
   how the blocks run (a pipeline; None: one after another). A batch without `segments` is one
   document per row."""
-  # A frozen base in host memory: its block stack streams in a layer at a time inside the model;
-  # the embedding, head and final norm come to the device whole.
-  frozen = {k: v if k == 'blocks' else weights_on_device(v) for k, v in frozen.items()}
-  model = nnx.merge(graphdef, params, frozen)
-  return model.token_losses(batch['inputs'], batch['targets'], segments=batch.get('segments'),
-                            dropout_key=dropout_key, stack=stack)
+  return _model(graphdef, params, frozen).token_losses(
+      batch['inputs'], batch['targets'], segments=batch.get('segments'), dropout_key=dropout_key,
+      stack=stack)
 
 
 def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None,
                   denominator=None) -> jax.Array:
   """The sum of the batch's token losses over `denominator` (default: its predicted targets, so
   the mean in nats per predicted token)."""
-  losses = token_losses(graphdef, params, frozen, batch, dropout_key, stack)
-  if denominator is None:
-    denominator = predicted(batch)
-  return losses.sum() / jnp.maximum(denominator, 1).astype(jnp.float32)
+  total = _model(graphdef, params, frozen).loss_sum(
+      batch['inputs'], batch['targets'], segments=batch.get('segments'), dropout_key=dropout_key,
+      stack=stack)
+  return total / loss_denominator(batch, denominator)
+
+
+def loss_denominator(batch, denominator=None) -> jax.Array:
+  """What the loss sum is divided by: `denominator` (default: the batch's predicted targets),
+  at least 1, in fp32."""
+  return jnp.maximum(predicted(batch) if denominator is None else denominator, 1).astype(jnp.float32)
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -149,13 +159,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     # the model are the whole batch's in every layout (fp8 delayed scaling records their amax),
     # and their sum is the batch's gradient with nothing left to divide.
     batch_predicted = predicted(batch)
+    # A pipeline that runs the backward pass in its loop (1f1b) must know the cotangent its loss
+    # sum will get before it runs: the one autodiff passes it below, bit for bit.
+    step_stack = (stack.seeded(scale / loss_denominator(batch, batch_predicted))
+                  if getattr(stack, 'runs_loss', False) else stack)
 
     def scaled_loss(p, microbatch, key):
       if model_shapes is not None:   # the model's shapes; the padding's gradient is zero
         p, base = model_shapes[0].fit(p), model_shapes[1].fit(frozen)
       else:
         base = frozen
-      loss = cross_entropy(graphdef, p, base, microbatch, key, stack, batch_predicted)
+      loss = cross_entropy(graphdef, p, base, microbatch, key, step_stack, batch_predicted)
       return loss * scale, loss
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)

@@ -1,0 +1,221 @@
+"""1F1B pipelines: the backward pass runs inside the pipeline's loop, so a stage keeps the inputs of
+a bounded number of microbatches whatever their count (`parallel.pipeline_schedule=1f1b`, and
+`interleaved_1f1b` with `parallel.pipeline_repeats` chunks per stage).
+
+One compiled SPMD program over the `stage` axis, as parallel/pipeline.py's: a vmap over stages
+laid on the axis. Each tick every stage runs a forward slot (one item, `PipelineSchedule.ticks`)
+and a backward slot (another); after each tick the forward outputs move one stage on and the
+backward ones one stage back (a roll each way, one collective-permute each). The loop runs in
+three scans: the warm-up ticks run only forward slots, the last ticks only backward ones, so the
+bubble costs no more than GPipe's.
+
+The backward slot of an item recomputes its chunk's forward from the stage input kept at its
+forward (as the circular schedule does) and takes the chunk's vjp: the kept inputs are the only
+activations that live from one tick to the next, `PipelineSchedule.in_flight` of them per stage
+(2 R P - 1 at most). The head and the loss run inside the loop on the last stage, one microbatch
+at a time, as soon as its last chunk's forward ends: its gradient starts that microbatch's backward
+in the same tick.
+
+Autodiff cannot interleave backward with forward, so the pipeline is a `jax.custom_vjp` whose
+forward rule computes the loss and every gradient, and whose backward rule hands the gradients
+back. The loss's cotangent must be known up front (`seeded`: the train step's loss scale over the
+batch's count of predicted targets), so that the gradients flowing back through the layers are
+the ones autodiff would give (fp16 loss scaling, and their rounding); the backward rule rescales by
+the cotangent that does arrive over that seed (1 when they agree). Only the inputs autodiff asks
+for are differentiated (`symbolic_zeros`): a LoRA base's weights get no gradient.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, by_stage, from_stages, on_stages,
+                               pipelined, scan_chunk, split_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFOneB:
+  """A `models.llama.Stack` for evaluation (the forward-only schedule with the same placement),
+  and `loss_sum` for the train step, which runs the head and loss inside the loop."""
+  schedule: PipelineSchedule
+  seed: jax.Array | None = None   # the cotangent the loss sum will get (train/step.py)
+
+  runs_loss = True   # models/llama.py: hand this stack the head and loss
+
+  def __call__(self, layer, layers, x, keys, rows=None):
+    return pipelined(self.schedule.forward_schedule)(layer, layers, x, keys, rows)
+
+  def seeded(self, seed: jax.Array) -> 'OneFOneB':
+    return dataclasses.replace(self, seed=seed)
+
+  def loss_sum(self, layer, layers, keys, rows, *, embed, tail, targets) -> jax.Array:
+    """The sum of the batch's token losses. The blocks as a Stack gets them (`layer`, the stacked
+    `layers`, dropout `keys`, per-row inputs `rows`); `embed` = (embed(weights, rows) -> one
+    microbatch's first block input, its weights, the rows it reads [batch, ...]), run on the first
+    stage; `tail` = (tail(weights, hidden, targets, microbatch) -> one microbatch's loss sum (final
+    norm, head, loss), its weights), run on the last; `targets` [batch, length]."""
+    seed = jnp.float32(1) if self.seed is None else self.seed
+    (embed_fn, embed_weights, embed_rows), (tail_fn, tail_weights) = embed, tail
+    run = functools.partial(_run, self.schedule, layer, keys, rows, embed_fn, embed_rows, tail_fn,
+                            targets, seed)
+
+    @jax.custom_vjp
+    def pipeline(layers, embed_weights, tail_weights):
+      return run((layers, embed_weights, tail_weights), None)[0]
+
+    def forward(layers, embed_weights, tail_weights):
+      primals = (layers, embed_weights, tail_weights)
+      return run(jax.tree.map(lambda a: a.value, primals), jax.tree.map(lambda a: a.perturbed, primals))
+
+    def backward(grads, cotangent):
+      ratio = cotangent / seed
+      return jax.tree.map(lambda g: None if g is None else (g * ratio).astype(g.dtype), grads,
+                          is_leaf=lambda g: g is None)
+
+    pipeline.defvjp(forward, backward, symbolic_zeros=True)
+    return pipeline(layers, embed_weights, tail_weights)
+
+
+class _Trained:
+  """A pytree of weights of which some are differentiated: `trained` lists those leaves, and
+  `with_trained` puts values for them back among the others."""
+
+  def __init__(self, tree, wanted):
+    self.leaves, self.treedef = jax.tree.flatten(tree)
+    self.indices = [i for i, w in enumerate(jax.tree.leaves(wanted)) if w]
+
+  def trained(self, leaves=None) -> list:
+    leaves = self.leaves if leaves is None else leaves
+    return [leaves[i] for i in self.indices]
+
+  def with_trained(self, trained: list, leaves=None):
+    leaves = list(self.leaves if leaves is None else leaves)
+    for i, w in zip(self.indices, trained):
+      leaves[i] = w
+    return jax.tree.unflatten(self.treedef, leaves)
+
+  def gradients(self, grads: list):
+    """The tree of `grads` (one per trained leaf), None at the others."""
+    full = [None] * len(self.leaves)
+    for i, g in zip(self.indices, grads):
+      full[i] = g
+    return jax.tree.unflatten(self.treedef, full)
+
+
+def _run(schedule: PipelineSchedule, layer, keys, rows, embed, embed_rows, tail, targets, seed,
+         weights, wanted):
+  """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
+  False); `wanted` None: the loss alone."""
+  P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
+  if wanted is None:
+    wanted = jax.tree.map(lambda _: False, weights)
+  layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
+
+  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
+  # [P, R, chunk, ...]: chunk r * P + p of the model on stage p, placed once per step.
+  stage_leaves = [on_stages(by_stage(a, P, R, chunk)) for a in layers.leaves]
+  stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
+  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
+  micro_rows, micro_embed_rows, micro_targets = split(rows), split(embed_rows), split(targets)
+  take = lambda tree, microbatch: jax.tree.map(lambda a: a[microbatch], tree)
+
+  def pick(a, index):   # one chunk of a stage's [R, chunk, ...]
+    return a[0] if R == 1 else a[index]
+
+  def chunk_of(weight_leaves, stage_keys, index, microbatch):
+    """(a function of (the chunk's trained weights, its input) -> its output, those weights)."""
+    picked = [pick(a, index) for a in weight_leaves]
+    chunk_keys = None
+    if stage_keys is not None:   # a dropout mask per layer and microbatch
+      chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(pick(stage_keys, index))
+    rows_now = take(micro_rows, microbatch)
+
+    def apply(trained, held):
+      return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now)
+    return apply, layers.trained(picked)
+
+  def embed_of(microbatch):
+    rows_now = take(micro_embed_rows, microbatch)
+    return lambda trained: embed(embed_weights.with_trained(trained), rows_now)
+
+  def tail_of(microbatch):
+    targets_now = micro_targets[microbatch]
+    return lambda trained, y: tail(tail_weights.with_trained(trained), y, targets_now, microbatch)
+
+  def add(totals, grads, keep):
+    return [g + jnp.where(keep, d, 0).astype(g.dtype) for g, d in zip(totals, grads)]
+
+  def stage_tick(forward, backward, weight_leaves, stage_keys, carry, t):
+    """One stage's tick: a forward slot (`forward`), then the head and loss where an item leaves
+    the last chunk, then a backward slot (`backward`)."""
+    carry = dict(carry)
+    out = carry['forward_in']
+    if forward:
+      # The first stage embeds the item's microbatch (every stage computes it; one keeps it).
+      first = embed_of(t['f_micro'])(embed_weights.trained())
+      held = jnp.where(t['f_first'], first.astype(out.dtype), carry['forward_in'])
+      kept = carry['kept']
+      carry['kept'] = jax.lax.dynamic_update_index_in_dim(
+          kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
+      apply, trained = chunk_of(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'])
+      out = apply(trained, held)
+    dx = carry['backward_in']
+    if backward:
+      cotangent = carry['backward_in']
+      if forward:   # an item leaving its last chunk: its loss, and the loss's gradient
+        loss, tail_vjp = jax.vjp(tail_of(t['f_micro']), tail_weights.trained(), out)
+        d_tail, dy = tail_vjp(seed)
+        carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
+        carry['tail_grads'] = add(carry['tail_grads'], d_tail, t['f_last'])
+        cotangent = jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
+      apply, trained = chunk_of(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'])
+      _, chunk_vjp = jax.vjp(apply, trained, carry['kept'][t['b_slot']])
+      d_weights, dx = chunk_vjp(cotangent)
+      grads = []
+      for g, d in zip(carry['grads'], d_weights):
+        d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
+        grads.append(g + d[None] if R == 1 else
+                     jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'], 0))
+      carry['grads'] = grads
+      if embed_weights.indices:   # the first stage takes the embedding's gradient
+        _, embed_vjp = jax.vjp(embed_of(t['b_micro']), embed_weights.trained())
+        carry['embed_grads'] = add(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'])
+    return carry, out, dx
+
+  def phase(forward, backward, carry, tables):
+    run_stages = jax.vmap(
+        lambda w, k, c, t: stage_tick(forward, backward, w, k, c, t),
+        in_axes=(0, None if stage_keys is None else 0, 0, 0), spmd_axis_name=STAGE_AXIS)
+
+    def tick(carry, t):
+      carry, out, dx = run_stages(stage_leaves, stage_keys, carry, t)
+      # Every forward output one stage on, every backward one one stage back (round the ring).
+      return {**carry, 'forward_in': jnp.roll(out, 1, axis=0),
+              'backward_in': jnp.roll(dx, -1, axis=0)}, None
+    return jax.lax.scan(tick, carry, tables)[0]
+
+  shape = jax.eval_shape(embed_of(0), embed_weights.trained())
+  activation = jnp.zeros((P,) + shape.shape, shape.dtype)
+  per_stage = lambda leaves: [jnp.zeros((P,) + a.shape, a.dtype) for a in leaves]
+  carry = {
+      'forward_in': activation, 'backward_in': activation,
+      'kept': jnp.zeros((P, schedule.in_flight) + shape.shape, shape.dtype),
+      'grads': [jnp.zeros(a.shape, a.dtype) for a in layers.trained(stage_leaves)],
+      'embed_grads': per_stage(embed_weights.trained()),
+      'tail_grads': per_stage(tail_weights.trained()),
+      'loss': jnp.zeros((P,), jnp.float32),
+  }
+  tables = {k: jnp.asarray(v) for k, v in schedule.ticks().items()}
+  first_backward, after_forwards = schedule.phases
+  cut = lambda start, stop: jax.tree.map(lambda a: a[start:stop], tables)
+  carry = phase(True, False, carry, cut(0, first_backward))
+  carry = phase(True, True, carry, cut(first_backward, after_forwards))
+  carry = phase(False, True, carry, cut(after_forwards, schedule.iterations))
+
+  # Each stage's sums of the head's and embedding's gradients (only the last and first stage's
+  # are not zero) are added up once, after the loop.
+  stage_sum = lambda grads: [g.sum(0) for g in grads]
+  return carry['loss'].sum(), (layers.gradients([from_stages(g) for g in carry['grads']]),
+                               embed_weights.gradients(stage_sum(carry['embed_grads'])),
+                               tail_weights.gradients(stage_sum(carry['tail_grads'])))
