@@ -69,9 +69,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.mesh = dict(stage=1, data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
   config.parallel = dict(
       zero_stage=0,                       # 0 DDP, 1-3 ZeRO stages over the fsdp axis
-      pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, or circular (interleaved)
+      pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, circular (interleaved),
+                                          # 1f1b or interleaved_1f1b (README: which to use)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
-      pipeline_repeats=1,                 # circular: layer chunks per stage (gpipe: 1)
+      pipeline_repeats=1,                 # circular, interleaved_1f1b: layer chunks per stage
+      pipeline_gather_once=True,          # 1f1b under ZeRO-3: a stage's weights gathered once per
+                                          # step (held whole), not at every microbatch
       offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed
                                           # to the device a layer at a time for the update
       offload_frozen=False,               # LoRA/QLoRA: the frozen base in host memory, streamed

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import Recompute, checkpoint_name
+from jax.sharding import PartitionSpec
 
 from models import lora
 from models.config import ModelConfig
@@ -164,10 +165,19 @@ class Transformer(nnx.Module):
       hidden = nnx.merge(norm_graph, weights['norm'])(hidden)
       return token_losses(head, hidden, targets, self.cfg.loss_chunk).sum()
 
+    # The weights' logical axes, for the pipeline to place what it keeps of them.
+    table_axes = PartitionSpec(*self.embedding.out_sharding)
+    embed_axes = {'table': table_axes}
+    if self.positions is not None:
+      embed_axes['positions'] = PartitionSpec(*self.positions.out_sharding)
+    head_axes = (table_axes if self.cfg.tie_embeddings
+                 else nnx.get_partition_spec(nnx.split(self.head)[1]))
+    tail_axes = {'norm': nnx.get_partition_spec(norm_weights), 'head': head_axes}
     return stack.loss_sum(layer, layers, keys, rows,
                           embed=(embed, self._embed_weights(), embed_rows),
                           tail=(tail, {'norm': norm_weights, 'head': self._head_weights()}),
-                          targets=targets)
+                          targets=targets,
+                          axes=(nnx.get_partition_spec(layers), embed_axes, tail_axes))
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
              segments: jax.Array | None = None, dropout_key: jax.Array | None = None,

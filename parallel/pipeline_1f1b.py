@@ -30,8 +30,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec
+
 from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, by_stage, from_stages, on_stages,
                                pipelined, scan_chunk, split_rows)
+from parallel.rules import REPLICATED, LayoutRules, to_mesh_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,9 @@ class OneFOneB:
   """A `models.llama.Stack` for evaluation (the forward-only schedule with the same placement),
   and `loss_sum` for the train step, which runs the head and loss inside the loop."""
   schedule: PipelineSchedule
-  seed: jax.Array | None = None   # the cotangent the loss sum will get (train/step.py)
+  rules: LayoutRules | None = None   # where the gradients live (None: left to XLA)
+  gather_once: bool = True           # ZeRO-3: gather each stage's weights once per step
+  seed: jax.Array | None = None      # the cotangent the loss sum will get (train/step.py)
 
   runs_loss = True   # models/llama.py: hand this stack the head and loss
 
@@ -49,16 +54,17 @@ class OneFOneB:
   def seeded(self, seed: jax.Array) -> 'OneFOneB':
     return dataclasses.replace(self, seed=seed)
 
-  def loss_sum(self, layer, layers, keys, rows, *, embed, tail, targets) -> jax.Array:
+  def loss_sum(self, layer, layers, keys, rows, *, embed, tail, targets, axes) -> jax.Array:
     """The sum of the batch's token losses. The blocks as a Stack gets them (`layer`, the stacked
     `layers`, dropout `keys`, per-row inputs `rows`); `embed` = (embed(weights, rows) -> one
     microbatch's first block input, its weights, the rows it reads [batch, ...]), run on the first
     stage; `tail` = (tail(weights, hidden, targets, microbatch) -> one microbatch's loss sum (final
-    norm, head, loss), its weights), run on the last; `targets` [batch, length]."""
+    norm, head, loss), its weights), run on the last; `targets` [batch, length]; `axes`: the
+    logical axes (PartitionSpecs of names) of the layers', embedding's and tail's weights."""
     seed = jnp.float32(1) if self.seed is None else self.seed
     (embed_fn, embed_weights, embed_rows), (tail_fn, tail_weights) = embed, tail
-    run = functools.partial(_run, self.schedule, layer, keys, rows, embed_fn, embed_rows, tail_fn,
-                            targets, seed)
+    run = functools.partial(_run, self.schedule, self._placements(axes), layer, keys, rows,
+                            embed_fn, embed_rows, tail_fn, targets, seed)
 
     @jax.custom_vjp
     def pipeline(layers, embed_weights, tail_weights):
@@ -75,6 +81,28 @@ class OneFOneB:
 
     pipeline.defvjp(forward, backward, symbolic_zeros=True)
     return pipeline(layers, embed_weights, tail_weights)
+
+  def _placements(self, axes):
+    """(the layers' placement in the loop, the gradients' of (layers, embedding, tail)): leaf
+    functions of one stage's array, applied inside the vmap over stages (which adds the `stage`
+    axis in front). A stacked weight, [R, chunk, ...] per stage, is whole over `fsdp` with
+    `gather_once` (ZeRO-3 gathers it before the loop, not at every tick); its gradient is split
+    as the layout's gradients are (ZeRO-2/3: summed into the shard at every tick, a
+    reduce-scatter)."""
+    def placed(tree, table, stacked):
+      def place(logical):
+        spec = to_mesh_spec(logical, table)
+        spec = PartitionSpec(None, None, *spec[1:]) if stacked else spec
+        return lambda a: jax.lax.with_sharding_constraint(a, spec)
+      return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    keep = lambda tree: jax.tree.map(lambda _: lambda a: a, tree,
+                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if self.rules is None:
+      return keep(axes[0]), tuple(keep(a) for a in axes)
+    layers = placed(axes[0], REPLICATED, True) if self.gather_once else keep(axes[0])
+    return layers, (placed(axes[0], self.rules.grads, True),
+                    placed(axes[1], self.rules.grads, False),
+                    placed(axes[2], self.rules.grads, False))
 
 
 class _Trained:
@@ -103,18 +131,22 @@ class _Trained:
     return jax.tree.unflatten(self.treedef, full)
 
 
-def _run(schedule: PipelineSchedule, layer, keys, rows, embed, embed_rows, tail, targets, seed,
-         weights, wanted):
+def _run(schedule: PipelineSchedule, placements, layer, keys, rows, embed, embed_rows, tail,
+         targets, seed, weights, wanted):
   """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
-  False); `wanted` None: the loss alone."""
+  False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
+  place_layers = jax.tree.leaves(placements[0])
+  place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
+  in_stages = lambda place: jax.vmap(place, spmd_axis_name=STAGE_AXIS)
 
   chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
   # [P, R, chunk, ...]: chunk r * P + p of the model on stage p, placed once per step.
-  stage_leaves = [on_stages(by_stage(a, P, R, chunk)) for a in layers.leaves]
+  stage_leaves = [in_stages(place)(on_stages(by_stage(a, P, R, chunk)))
+                  for a, place in zip(layers.leaves, place_layers)]
   stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
   micro_rows, micro_embed_rows, micro_targets = split(rows), split(embed_rows), split(targets)
@@ -143,8 +175,9 @@ def _run(schedule: PipelineSchedule, layer, keys, rows, embed, embed_rows, tail,
     targets_now = micro_targets[microbatch]
     return lambda trained, y: tail(tail_weights.with_trained(trained), y, targets_now, microbatch)
 
-  def add(totals, grads, keep):
-    return [g + jnp.where(keep, d, 0).astype(g.dtype) for g, d in zip(totals, grads)]
+  def add(totals, grads, keep, places):
+    return [place(g + jnp.where(keep, d, 0).astype(g.dtype))
+            for g, d, place in zip(totals, grads, places)]
 
   def stage_tick(forward, backward, weight_leaves, stage_keys, carry, t):
     """One stage's tick: a forward slot (`forward`), then the head and loss where an item leaves
@@ -167,20 +200,21 @@ def _run(schedule: PipelineSchedule, layer, keys, rows, embed, embed_rows, tail,
         loss, tail_vjp = jax.vjp(tail_of(t['f_micro']), tail_weights.trained(), out)
         d_tail, dy = tail_vjp(seed)
         carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
-        carry['tail_grads'] = add(carry['tail_grads'], d_tail, t['f_last'])
+        carry['tail_grads'] = add(carry['tail_grads'], d_tail, t['f_last'], place_grads[2])
         cotangent = jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
       apply, trained = chunk_of(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'])
       _, chunk_vjp = jax.vjp(apply, trained, carry['kept'][t['b_slot']])
       d_weights, dx = chunk_vjp(cotangent)
       grads = []
-      for g, d in zip(carry['grads'], d_weights):
+      for g, d, place in zip(carry['grads'], d_weights, place_grads[0]):
         d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
-        grads.append(g + d[None] if R == 1 else
-                     jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'], 0))
+        grads.append(place(g + d[None] if R == 1 else jax.lax.dynamic_update_index_in_dim(
+            g, g[t['b_chunk']] + d, t['b_chunk'], 0)))
       carry['grads'] = grads
       if embed_weights.indices:   # the first stage takes the embedding's gradient
         _, embed_vjp = jax.vjp(embed_of(t['b_micro']), embed_weights.trained())
-        carry['embed_grads'] = add(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'])
+        carry['embed_grads'] = add(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'],
+                                    place_grads[1])
     return carry, out, dx
 
   def phase(forward, backward, carry, tables):
@@ -197,13 +231,14 @@ def _run(schedule: PipelineSchedule, layer, keys, rows, embed, embed_rows, tail,
 
   shape = jax.eval_shape(embed_of(0), embed_weights.trained())
   activation = jnp.zeros((P,) + shape.shape, shape.dtype)
-  per_stage = lambda leaves: [jnp.zeros((P,) + a.shape, a.dtype) for a in leaves]
+  zeros = lambda shapes, places: [in_stages(place)(jnp.zeros((P,) + a.shape, a.dtype))
+                                  for a, place in zip(shapes, places)]
   carry = {
       'forward_in': activation, 'backward_in': activation,
       'kept': jnp.zeros((P, schedule.in_flight) + shape.shape, shape.dtype),
-      'grads': [jnp.zeros(a.shape, a.dtype) for a in layers.trained(stage_leaves)],
-      'embed_grads': per_stage(embed_weights.trained()),
-      'tail_grads': per_stage(tail_weights.trained()),
+      'grads': zeros([a[0] for a in layers.trained(stage_leaves)], place_grads[0]),
+      'embed_grads': zeros(embed_weights.trained(), place_grads[1]),
+      'tail_grads': zeros(tail_weights.trained(), place_grads[2]),
       'loss': jnp.zeros((P,), jnp.float32),
   }
   tables = {k: jnp.asarray(v) for k, v in schedule.ticks().items()}

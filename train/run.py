@@ -57,7 +57,7 @@ class Setup:
   @property
   def stack(self):
     """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
-    return pipeline_stack(self.pipeline)
+    return pipeline_stack(self.pipeline, self.rules, gather_once(self.config))
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
@@ -67,12 +67,20 @@ class Setup:
     return stack
 
 
-def pipeline_stack(schedule: PipelineSchedule | None):
-  """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b),
-  or after all forwards (gpipe, circular); None (one stage): one after another."""
+def gather_once(config) -> bool:
+  # A config saved before the key existed has none.
+  return config.parallel.get('pipeline_gather_once', True)
+
+
+def pipeline_stack(schedule: PipelineSchedule | None, rules=None, gather_once: bool = True):
+  """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b:
+  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered `gather_once` per
+  step), or after all forwards (gpipe, circular); None (one stage): one after another."""
   if schedule is None:
     return None
-  return OneFOneB(schedule) if schedule.backward_in_loop else pipelined(schedule)
+  if schedule.backward_in_loop:
+    return OneFOneB(schedule, rules, gather_once)
+  return pipelined(schedule)
 
 
 def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
@@ -118,7 +126,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=pipeline_stack(schedule),
+                            stack=pipeline_stack(schedule, rules, gather_once(config)),
                             update_shardings=layout.update_shardings,
                             layer_writes=layout.layer_writes,
                             model_shapes=layout.model_shapes,
