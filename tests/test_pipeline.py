@@ -31,13 +31,20 @@ def single_device(batch_size: int):
                                'parallel.zero_stage': 0})
 
 
-def train(c, devices=None, steps: int = 3):
-  """(losses, final parameters as numpy, the setup) of `steps` steps from the seed's state."""
+def train(c, devices=None, steps: int = 3, packed: bool = False):
+  """(losses, final parameters as numpy, the setup) of `steps` steps from the seed's state.
+  `packed`: each row holds documents of random lengths (segments), their first targets unpredicted."""
   s = run.setup(c, devices)
   state, losses = s.layout.init(), []
   for i in range(steps):
     tokens = random_tokens((c.train.batch_size, c.train.seq_len + 1), seed=i)
     batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
+    if packed:
+      starts = np.random.default_rng(i).random(batch['inputs'].shape) < 0.15
+      segments = 1 + np.cumsum(starts, axis=1).astype(np.int32)
+      targets = np.where(np.concatenate([segments[:, 1:] != segments[:, :-1],
+                                         np.zeros_like(starts[:, :1])], axis=1), -1, batch['targets'])
+      batch = {**batch, 'targets': targets, 'segments': segments}
     with s.context():
       state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
                                             for k, v in batch.items()})
@@ -83,6 +90,48 @@ def test_the_moves_give_each_stage_the_activation_of_its_item(stages, microbatch
     held = held[-1:] + held[:-1]                            # every activation one stage on
   ring[0][schedule.final_slot] = held[0]
   assert ring[0][M:2 * M] == [(m, P * repeats) for m in range(M)]   # through every chunk
+
+
+@pytest.mark.parametrize('stages,microbatches,repeats', [(4, 16, 1), (4, 4, 1), (2, 3, 1), (4, 5, 1),
+                                                         (4, 8, 2), (2, 6, 3), (8, 8, 2)])
+def test_1f1b_ticks_give_each_slot_its_input_and_keep_a_bounded_number(stages, microbatches, repeats):
+  """Runs the 1f1b loop with labels: a forward turns (microbatch, c) into (microbatch, c + 1), a
+  backward turns the gradient label of c + 1 into that of c from the kept input (microbatch, c);
+  every slot must get the label the schedule says, no kept input may be overwritten before its
+  backward, and every microbatch must come out of the embedding's gradient once."""
+  P, M, R = stages, microbatches, repeats
+  schedule = PipelineSchedule('1f1b' if R == 1 else 'interleaved_1f1b', P, M, R)
+  t = schedule.ticks()
+  kept = [[None] * schedule.in_flight for _ in range(P)]
+  forward_in, backward_in, embedded = [None] * P, [None] * P, []
+  for tick in range(schedule.iterations):
+    outs, grads = [None] * P, [None] * P
+    for p in range(P):
+      loss_grad = None
+      if t['f_valid'][tick, p]:
+        m, c = t['f_micro'][tick, p], t['f_chunk'][tick, p] * P + p
+        held = (m, 0) if t['f_first'][tick, p] else forward_in[p]
+        assert held == (m, c), (tick, p)
+        assert kept[p][t['f_slot'][tick, p]] is None   # the slot's last input went backward
+        kept[p][t['f_slot'][tick, p]] = held
+        outs[p] = (m, c + 1)
+        if t['f_last'][tick, p]:
+          assert c + 1 == P * R
+          loss_grad = ('grad', m, P * R)
+      if t['b_valid'][tick, p]:
+        m, c = t['b_micro'][tick, p], t['b_chunk'][tick, p] * P + p
+        incoming = loss_grad if t['b_first'][tick, p] else backward_in[p]
+        assert incoming == ('grad', m, c + 1), (tick, p)
+        assert kept[p][t['b_slot'][tick, p]] == (m, c)
+        kept[p][t['b_slot'][tick, p]] = None
+        grads[p] = ('grad', m, c)
+        if t['b_last'][tick, p]:
+          embedded.append(m)
+    forward_in, backward_in = outs[-1:] + outs[:-1], grads[1:] + grads[:1]
+  assert sorted(embedded) == list(range(M))
+  assert t['f_valid'].sum() == t['b_valid'].sum() == P * M * R
+  assert schedule.in_flight <= 2 * R * P - 1   # whatever M
+  assert schedule.bubble_fraction == pytest.approx((P - 1) / (M * R + P - 1))
 
 
 # ---- against one device ----------------------------------------------------------------------
@@ -135,6 +184,48 @@ def test_losses_and_parameters_equal_the_single_device_run(name, reference):
   assert diff.max() <= 0.1 * lr
 
 
+@pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b'])
+def test_lora_on_packed_rows_through_1f1b_equals_one_device(schedule):
+  """The frozen base gets no gradient (the pipeline differentiates only what autodiff asks
+  for), the adapters' match one device's, and packed documents stay apart across microbatches."""
+  lora = {'lora.rank': 4, 'lora.alpha': 8.0, 'model.tie_embeddings': False}
+  want_losses, want_params, _ = train(
+      config(8, **lora, **{'mesh': dict(stage=1, data=1, fsdp=1, tensor=1),
+                           'parallel.zero_stage': 0}), devices=jax.devices()[:1], packed=True)
+  losses, params, s = train(config(8, **lora, **{
+      'parallel.pipeline_schedule': schedule, 'parallel.pipeline_microbatches': 4,
+      'parallel.pipeline_repeats': 1 if schedule == '1f1b' else 2}), packed=True)
+  np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(8 * s.config.train.seq_len))
+  lr = s.config.train.learning_rate
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    assert np.abs(got - want).max() <= 0.1 * lr
+
+
+def _compiled(schedule: str, microbatches: int, **overrides) -> dict:
+  """memory.json's figures for the pipeline layout at `microbatches` microbatches of one row per
+  device (4 stages x 2-way fsdp, ZeRO-3): the batch grows with them."""
+  c = config(2 * microbatches, **{'parallel.pipeline_schedule': schedule,
+                                  'parallel.pipeline_microbatches': microbatches, **overrides})
+  s = run.setup(c)
+  return run.memory_report(s, run.compile_train_step(s))
+
+
+def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_grows():
+  gpipe = [_compiled('gpipe', m)['per_device_bytes']['temp'] for m in (4, 16)]
+  one_f_one_b = [_compiled('1f1b', m)['per_device_bytes']['temp'] for m in (4, 16)]
+  assert gpipe[1] > 1.5 * gpipe[0]
+  # The batch's tokens and targets (int32) grow with it; the activations do not.
+  assert one_f_one_b[1] <= 1.1 * one_f_one_b[0]
+  assert one_f_one_b[1] < gpipe[1] / 2
+
+
+def test_zero3_under_1f1b_gathers_each_stages_weights_once_per_step():
+  gathered = lambda m, once: _compiled('1f1b', m, **{'parallel.pipeline_gather_once': once})[
+      'collectives_per_step']['all-gather']['bytes']
+  assert gathered(4, True) == gathered(16, True)              # whatever the microbatches
+  assert gathered(16, False) > 4 * gathered(16, True)          # at every tick, forward and back
+
+
 def test_the_dry_run_reports_the_compiled_schedule():
   s = run.setup(config(8))
   compiled = run.compile_train_step(s)
@@ -185,6 +276,12 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
     ({'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 3},
      'mesh.stage=4 x parallel.pipeline_repeats=3 = 12 chunks'),
     ({'mesh': dict(stage=3, data=1, fsdp=-1, tensor=1)}, 'cannot fill 8 devices'),
+    ({'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_repeats': 2},
+     "parallel.pipeline_repeats=2 with parallel.pipeline_schedule='1f1b'"),
+    ({'parallel.pipeline_schedule': 'interleaved_1f1b'},
+     "parallel.pipeline_repeats=1 with parallel.pipeline_schedule='interleaved_1f1b'"),
+    ({'parallel.pipeline_schedule': 'interleaved_1f1b', 'parallel.pipeline_repeats': 2,
+      'parallel.pipeline_microbatches': 6, 'train.batch_size': 12}, 'use a multiple of 4'),
     ({'precision': 'bf16_mixed', 'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed'},
      'quant.fp8_scaling=delayed with mesh.stage > 1'),
 ])
