@@ -1,14 +1,16 @@
-"""The pipeline's bubble against its microbatch count, GPipe against circular, beside the compiled
-per-device memory and the collective-permute traffic of each step. Nothing is allocated.
+"""The pipeline schedules against their microbatch count: bubble, compiled per-device memory (total
+and temp) beside the analytic estimate, and each step's collectives. Nothing is allocated.
 
   python -m bench.pipeline [--stages=4,8] [--preset=small]
+  python -m bench.pipeline --preset=7b --num_layers=32 --batch_size=64   # README's table
   python -m bench.pipeline --compose     # every precision / quant mode / LoRA through a pipeline
 
-For P stages and M = P, 2P, 4P, 8P microbatches: the bubble measured on the schedule's table (the
-one the compiled loop reads) beside GPipe's formula (P - 1) / (M R + P - 1), the compiled bytes per
-device beside the analytic estimate, and the collective-permutes and all-to-alls per step. The
-mesh is P stages x (devices / P) fsdp. Step time on simulated CPU devices says nothing about the
-bubble (they share the same cores), so none is reported.
+For P stages and M = P, 2P, 4P, 8P microbatches (those that divide each device's rows), and each
+schedule (gpipe, circular, 1f1b, interleaved_1f1b): the bubble measured on the schedule's table
+(the one the compiled loop reads) beside the formula (P - 1) / (M R + P - 1), the compiled bytes
+per device beside the analytic estimate, and the collective-permutes, all-to-alls and all-gathers
+per step. The mesh is P stages x (devices / P) fsdp. Step time on simulated CPU devices says
+nothing about the bubble (they share the same cores), so none is reported.
 """
 import json
 import sys
@@ -20,7 +22,10 @@ _PRESET = flags.DEFINE_string('preset', 'small', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
 _LAYERS = flags.DEFINE_integer('num_layers', 16, 'Model depth (divisible by stages x 2).')
 _BATCH = flags.DEFINE_integer('batch_size', 64, 'Global batch in sequences.')
-_REPEATS = flags.DEFINE_integer('repeats', 2, 'Chunks per stage of the circular schedule.')
+_REPEATS = flags.DEFINE_integer('repeats', 2, 'Chunks per stage of the circular and '
+                                'interleaved_1f1b schedules.')
+_SCHEDULES = flags.DEFINE_list('schedules', ['gpipe', 'circular', '1f1b', 'interleaved_1f1b'],
+                               'Schedules to compile.')
 _OUT = flags.DEFINE_string('out', 'bench/results/pipeline.json', 'Where the rows are written.')
 _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
                              'and LoRA variant through the pipeline layout and on one device.')
@@ -91,12 +96,13 @@ def main(argv):
   if _COMPOSE.value:
     return compose()
   rows = []
-  print('| P | M | schedule | bubble (table) | (P-1)/(MR+P-1) | compiled MiB/device | estimate '
-        '| collective-permute ops, MiB | all-to-all MiB |')
-  print('|---:|---:|---|---:|---:|---:|---:|---:|---:|')
+  print('| P | M | schedule | bubble (table) | (P-1)/(MR+P-1) | compiled MiB/device | temp MiB '
+        '| estimate MiB (error) | collective-permute ops, MiB | all-to-all MiB | all-gather MiB |')
+  print('|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|')
   for stages in map(int, _STAGES.value):
     for m in (stages, 2 * stages, 4 * stages, 8 * stages):
-      for schedule, repeats in (('gpipe', 1), ('circular', _REPEATS.value)):
+      for schedule in _SCHEDULES.value:
+        repeats = _REPEATS.value if schedule in ('circular', 'interleaved_1f1b') else 1
         config = layout_config('pipeline', _PRESET.value)
         for key, value in {'mesh.stage': stages, 'mesh.fsdp': -1, 'model.num_layers': _LAYERS.value,
                            'train.batch_size': _BATCH.value, 'parallel.pipeline_microbatches': m,
@@ -106,22 +112,29 @@ def main(argv):
         try:
           s = run.setup(config)
         except checks.ConfigError as e:
+          if 'does not divide' in str(e):   # more microbatches than a device has rows
+            continue
           sys.exit(f'error: P={stages} M={m} {schedule}: {e}')
         memory = run.memory_report(s, run.compile_train_step(s))
         pipe, collectives = memory['pipeline'], memory['collectives_per_step']
         row = {'stages': stages, 'microbatches': m, 'schedule': schedule, 'repeats': repeats,
                'bubble_fraction': pipe['bubble_fraction'], 'bubble_formula': pipe['bubble_formula'],
                'compiled_bytes': memory['per_device_bytes']['total'],
+               'temp_bytes': memory['per_device_bytes']['temp'],
                'estimate_bytes': memory['estimate_bytes']['total'],
+               'estimate_parts': memory['estimate_bytes'],
                'collective_permute': collectives['collective-permute'],
-               'all_to_all': collectives['all-to-all'], 'mesh': memory['mesh']}
+               'all_to_all': collectives['all-to-all'], 'all_gather': collectives['all-gather'],
+               'mesh': memory['mesh']}
         rows.append(row)
         permute = row['collective_permute']
+        error = row['estimate_bytes'] / row['compiled_bytes'] - 1
         print(f'| {stages} | {m} | {schedule}{f" (R={repeats})" if repeats > 1 else ""} '
               f'| {row["bubble_fraction"]:.3f} | {row["bubble_formula"]:.3f} '
-              f'| {row["compiled_bytes"] / MiB:.1f} | {row["estimate_bytes"] / MiB:.1f} '
+              f'| {row["compiled_bytes"] / MiB:.1f} | {row["temp_bytes"] / MiB:.1f} '
+              f'| {row["estimate_bytes"] / MiB:.1f} ({error:+.1%}) '
               f'| {permute["count"]}, {permute["bytes"] / MiB:.1f} '
-              f'| {row["all_to_all"]["bytes"] / MiB:.1f} |')
+              f'| {row["all_to_all"]["bytes"] / MiB:.1f} | {row["all_gather"]["bytes"] / MiB:.1f} |')
         sys.stdout.flush()
   with open(_OUT.value, 'w', encoding='utf-8') as f:
     json.dump({'jax': jax.__version__, 'rows': rows}, f, indent=1)

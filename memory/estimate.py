@@ -122,8 +122,14 @@ class StepShape:
   stages: int = 1        # size of the mesh's stage axis (pipeline parallelism)
   pipeline_microbatches: int = 1   # what the pipeline splits one microbatch into
   repeats: int = 1       # layer chunks per stage (circular schedule)
+  schedule: str = 'gpipe'   # parallel.pipeline_schedule: 1f1b ones run the backward in the loop
+  gather_once: bool = True  # parallel.pipeline_gather_once (1f1b under ZeRO-3)
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
+
+  @property
+  def backward_in_loop(self) -> bool:
+    return self.stages > 1 and self.schedule in ('1f1b', 'interleaved_1f1b')
 
   @property
   def pipeline_iterations(self) -> int:
@@ -543,6 +549,47 @@ def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
   return shape.tokens / shape.pipeline_microbatches * layers * saved['mlp']
 
 
+def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                     frozen: 'Frozen | None') -> dict[str, float]:
+  """The 1f1b loop's peak (parallel/pipeline_1f1b.py), which replaces the backward phases: a
+  stage keeps `in_flight` chunk inputs of one microbatch each and the activations moving between
+  stages, and at its peak recomputes one chunk on one microbatch (its saved activations under the
+  model's remat and one layer's backward working set) or runs the head and loss on one
+  microbatch, whichever is larger. Beside them: the loop's gradient sums (the stage's layers', and
+  the embedding's and head's on every stage), with `gather_once` under ZeRO-3 the stage's weights
+  whole over `fsdp`, and XLA's copies of the stage's weights as the chunk's layer scan reads them
+  and of the layers' gradient sums (the step's `grads` are the other), made for the loops that
+  read them (100m on 4 stages x 2-way ZeRO-3, bench/buffers.py: two sets of each at the peak, in
+  two layouts)."""
+  P, M, R = shape.stages, shape.pipeline_microbatches, shape.repeats
+  micro = dataclasses.replace(shape, rows_per_device=shape.rows_per_device // M, stages=1,
+                              pipeline_microbatches=1, repeats=1)
+  c = policy.compute_bytes
+  in_flight = min(2 * R * P - 1, M * R)
+  row = micro.tokens * cfg.d_model * c
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
+                                    shape.backend)
+  chunk_layers = cfg.num_layers / (P * R)
+  layer = layer_phase_bytes(cfg, policy, micro)
+  chunk = micro.tokens * chunk_layers * sum(saved.values()) + layer['activations']
+  tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
+  activations = (in_flight + 4) * row + max(chunk, tail)
+  p = policy.param_bytes
+  stage_weights = cfg.num_layers / P * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
+  vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
+  layer_sums = stage_weights * trained * p / shards(cfg, shape, 2)
+  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 2)
+  if shape.gather_once and shape.gathers_params:
+    read = stage_weights * p / shape.tensor * gathered(cfg, shape)
+    whole = read + vocab_tables * FP32 / shape.tensor * gathered(cfg, shape)
+  else:
+    read, whole = stage_weights * p / shards(cfg, shape, 3), 0
+  read /= R   # with several chunks per stage, the scan reads the one picked
+  return {'activations': activations,
+          'temporaries': layer_sums + vocab_sums + whole + read + layer['weights']}
+
+
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Circular under ZeRO-3: the chunk whose forward is recomputed has its weights gathered for
   that forward and holds them through its backward."""
@@ -714,6 +761,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                    'temporaries': common + shard_copies + vocab['held']}
   backward = max(head_phase, layer_phase, reduction_phase, convert_phase,
                  key=lambda phase: sum(phase.values()))
+  if shape.backward_in_loop:
+    loop = one_f_one_b_loop(cfg, policy, shape, frozen)
+    backward = {'activations': loop['activations'], 'temporaries': common - pipeline_grads
+                + loop['temporaries']}
   # The update holds the gradients and the update's buffers; the activations are gone by then.
   update_phase = update['chain']
   parts = {

@@ -260,7 +260,8 @@ def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:
                     offload_frozen=s.config.parallel.get('offload_frozen', False),
                     **({} if s.pipeline is None else dict(
                         stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
-                        repeats=s.pipeline.repeats)))
+                        repeats=s.pipeline.repeats, schedule=s.pipeline.name,
+                        gather_once=gather_once(s.config))))
   trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)
