@@ -22,6 +22,8 @@ _PRESET = flags.DEFINE_string('preset', 'small', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
 _LAYERS = flags.DEFINE_integer('num_layers', 16, 'Model depth (divisible by stages x 2).')
 _BATCH = flags.DEFINE_integer('batch_size', 64, 'Global batch in sequences.')
+_ACCUMULATION = flags.DEFINE_integer('microbatches', 1, 'Gradient-accumulation microbatches '
+                                     '(train.microbatches), each split by the pipeline.')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Chunks per stage of the circular and '
                                 'interleaved_1f1b schedules.')
 _SCHEDULES = flags.DEFINE_list('schedules', ['gpipe', 'circular', '1f1b', 'interleaved_1f1b'],
@@ -106,6 +108,7 @@ def main(argv):
         config = layout_config('pipeline', _PRESET.value)
         for key, value in {'mesh.stage': stages, 'mesh.fsdp': -1, 'model.num_layers': _LAYERS.value,
                            'train.batch_size': _BATCH.value, 'parallel.pipeline_microbatches': m,
+                           'train.microbatches': _ACCUMULATION.value,
                            'parallel.pipeline_schedule': schedule,
                            'parallel.pipeline_repeats': repeats}.items():
           default.override(config, key, value)

@@ -317,11 +317,12 @@ def on_stages(a: jax.Array) -> jax.Array:
       a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
 
 
-def scan_chunk(layer, weights, x, keys, rows):
+def scan_chunk(layer, weights, x, keys, rows, unroll: bool = False):
+  """A chunk's layers one after another (`unroll`: as straight-line code, no loop)."""
   def body(x, inputs):
     params, key = inputs
     return layer(x, params, key, rows), None
-  return jax.lax.scan(body, x, (weights, keys))[0]
+  return jax.lax.scan(body, x, (weights, keys), unroll=unroll)[0]
 
 
 def split_rows(x: jax.Array, parts: int) -> jax.Array:

@@ -164,7 +164,11 @@ def _run(schedule: PipelineSchedule, placements, layer, keys, rows, embed, embed
     rows_now = take(micro_rows, microbatch)
 
     def apply(trained, held):
-      return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now)
+      # Unrolled: a loop over the chunk's layers inside the tick's loop would take its own copy
+      # of the stage's weights (and its gradient sums another), XLA's buffers for the inner
+      # loop (100m on 4 stages x 2-way ZeRO-3: temp 0.53 GiB rolled, 0.41 GiB unrolled).
+      return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now,
+                        unroll=True)
     return apply, layers.trained(picked)
 
   def embed_of(microbatch):

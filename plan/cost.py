@@ -22,11 +22,13 @@ printed with every plan.
 - With the optimizer state in host memory (`parallel.offload_optimizer`), the update also streams
   that state (fp32 master and moments) to the device and back over the host link (PCIe or
   NVLink-C2C), not overlapped: the update runs after the backward pass.
-- Pipeline stages (GPipe, offered for targets beyond one node; the mesh is stage-major, so a
-  stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
-  (M + P - 1) / M; ZeRO-2/3's per-microbatch collectives once per loop iteration; and the
-  collective-permutes of the activation (forward) and its gradient (backward) at every
-  iteration, over the network between nodes, not overlapped.
+- Pipeline stages (GPipe or 1F1B, offered for targets beyond one node; the mesh is stage-major,
+  so a stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
+  (M + P - 1) / M, the same for both; 1F1B recomputes each chunk's forward in its backward (one
+  more forward pass) and under ZeRO-3 gathers a stage's weights once per step; ZeRO-2/3's other
+  per-microbatch collectives once per loop iteration; and the collective-permutes of the
+  activation (forward) and its gradient (backward) at every iteration, over the network between
+  nodes, not overlapped.
 """
 import dataclasses
 
@@ -48,9 +50,10 @@ class Recipe:
   tensor: int         # tensor-parallel degree (within a node)
   remat: str          # none | dots | full
   microbatches: int
-  stages: int = 1                  # pipeline stages (GPipe), across nodes
+  stages: int = 1                  # pipeline stages, across nodes
   pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
   offload: bool = False            # the optimizer's state in host memory
+  schedule: str = 'gpipe'          # with stages: gpipe, or 1f1b (parallel/pipeline_1f1b.py)
 
   def mesh(self, devices: int) -> dict:
     ways = devices // (self.tensor * self.stages)
@@ -62,8 +65,8 @@ class Recipe:
     return self.pipeline_microbatches + self.stages - 1
 
   def __str__(self):
-    pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches'
-                if self.stages > 1 else '')
+    pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
+                f'({self.schedule})' if self.stages > 1 else '')
     offload = ', optimizer state in host memory' if self.offload else ''
     return (f'{self.precision}, Adam {self.adam_bits}-bit, ZeRO-{self.zero_stage}, '
             f'tensor {self.tensor}, remat {self.remat}, {self.microbatches} microbatch(es)'
@@ -84,6 +87,9 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   bubble = recipe.pipeline_iterations / recipe.pipeline_microbatches
   flops = (cfg.flops_per_token(seq_len, base_trains)
            + (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
+  one_f_one_b = P > 1 and recipe.schedule == '1f1b'
+  if one_f_one_b:   # each chunk's forward runs again in its backward slot
+    flops += cfg.flops_per_token(seq_len) / 3
   compute = flops * tokens * bubble / (n * target.peak_bf16 * MFU_ASSUMED)
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
@@ -94,6 +100,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
               3: m * 3 * f * weights}[recipe.zero_stage]
+  if one_f_one_b and recipe.zero_stage == 3:   # gathered once per step, reduced at every tick
+    dp_bytes = (recipe.microbatches + m) * f * weights
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link

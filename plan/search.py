@@ -2,7 +2,8 @@
 estimated step time, the fastest verified by compiling its train step on simulated devices.
 
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches, and on
-targets of several nodes pipeline stages (GPipe) x pipeline microbatches (plan/cost.py);
+targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe or 1F1B,
+plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
 frozen-base storage (a LoRA config is sized with only the adapters training, and its compute has
 no weight gradients). A recipe fits when its per-device
@@ -68,7 +69,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.mesh = recipe.mesh(devices)
   config.model.remat = recipe.remat
   config.train.microbatches = recipe.microbatches
-  config.parallel.pipeline_schedule = 'gpipe'
+  config.parallel.pipeline_schedule = recipe.schedule
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
   config.parallel.pipeline_repeats = 1
   config.parallel.offload_optimizer = recipe.offload
@@ -97,9 +98,11 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
         continue                # would reshard every step (all-to-all); not offered until fixed
       if bits == 8 and config.lora.rank:   # the adapters' moments are too small to matter
         continue
-      # GPipe: any count of pipeline microbatches from the stage count up that divides the rows.
+      # A pipeline: any count of pipeline microbatches from the stage count up that divides the
+      # rows, under GPipe or 1F1B (same bubble; 1F1B keeps less, recomputes more).
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
-        found.append(Recipe(precision, bits, stage, t, remat, m, p, pm))
+        for schedule in ['gpipe'] if p == 1 else ['gpipe', '1f1b']:
+          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule))
         # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and no
         # pipeline (train/checks.py:offload).
         if bits == 32 and p == 1:
@@ -116,7 +119,7 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
                     tensor=recipe.tensor, zero_stage=recipe.zero_stage,
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
-                    pipeline_microbatches=recipe.pipeline_microbatches)
+                    pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule)
   shape = dataclasses.replace(shape, offload_optimizer=recipe.offload)
   cfg = dataclasses.replace(cfg, remat=recipe.remat)
   frozen = _frozen(config, recipe.precision)
