@@ -3,7 +3,8 @@ and temp) beside the analytic estimate, and each step's collectives. Nothing is 
 
   python -m bench.pipeline [--stages=4,8] [--preset=small]
   python -m bench.pipeline --preset=7b --num_layers=32 --batch_size=64   # README's table
-  python -m bench.pipeline --compose     # every precision / quant mode / LoRA through a pipeline
+  python -m bench.pipeline --compose [--schedules=1f1b]   # every precision / quant mode / LoRA
+                                                          # through a pipeline (the first schedule)
 
 For P stages and M = P, 2P, 4P, 8P microbatches (those that divide each device's rows), and each
 schedule (gpipe, circular, 1f1b, interleaved_1f1b): the bubble measured on the schedule's table
@@ -75,7 +76,11 @@ def compose() -> None:
     runs = []
     for mesh in (None, dict(stage=1, data=1, fsdp=1, tensor=1)):
       config = layout_config('pipeline', 'tiny')
-      for key, value in {'model.num_layers': 8, **overrides,
+      schedule = _SCHEDULES.value[0]
+      repeats = 2 if schedule in ('circular', 'interleaved_1f1b') else 1
+      for key, value in {'model.num_layers': 8, 'parallel.pipeline_schedule': schedule,
+                         'parallel.pipeline_repeats': repeats,
+                         **overrides,
                          **({'mesh': mesh, 'parallel.zero_stage': 0} if mesh else {})}.items():
         default.override(config, key, value)
       runs.append(_losses(config, None if mesh is None else jax.devices()[:1]))

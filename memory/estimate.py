@@ -556,8 +556,8 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stages, and at its peak recomputes one chunk on one microbatch (its saved activations under the
   model's remat and one layer's backward working set) or runs the head and loss on one
   microbatch, whichever is larger. Beside them: the embedding's and head's gradient sums on every
-  stage (the layers' are `pipeline_grads`, as in GPipe), and with `gather_once` under ZeRO-3 the
-  stage's weights whole over `fsdp`."""
+  stage (the layers' are `pipeline_grads`, as in GPipe), with `gather_once` under ZeRO-3 the
+  stage's weights whole over `fsdp`, and under remat the chunk loop's copies."""
   P, M, R = shape.stages, shape.pipeline_microbatches, shape.repeats
   micro = dataclasses.replace(shape, rows_per_device=shape.rows_per_device // M, stages=1,
                               pipeline_microbatches=1, repeats=1)
@@ -582,8 +582,15 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   whole = 0
   if shape.gather_once and shape.gathers_params:
     whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
+  loop_copies = 0
+  if cfg.remat != 'none':
+    # The chunk's layers in a loop (under remat): XLA gives that loop its own copy of the weights
+    # it reads (the stage's, or with several chunks the one picked) and of the gradient sums
+    # (7b remat full on 4 stages x 2-way ZeRO-3, bench/buffers.py: two sets of each).
+    read = stage_weights * p / (shape.tensor if whole else shards(cfg, shape, 3))
+    loop_copies = read / R + stage_weights * trained * p / shards(cfg, shape, 2)
   return {'activations': activations,
-          'temporaries': vocab_sums + whole + layer['weights']}
+          'temporaries': vocab_sums + whole + loop_copies + layer['weights']}
 
 
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:

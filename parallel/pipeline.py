@@ -81,10 +81,10 @@ class PipelineSchedule:
     k-th of the group is item g R P + r P + k of microbatch g P + k (with R = 1 simply item m for
     microbatch m). Item i's forward runs on stage p at tick i + p; its backward, from the last chunk
     down, is backward item j = g R P + (R - 1 - r) P + k, on stage p at tick
-    T0 + j + P - 1 - p with T0 = R P - 1: on the last stage in the very tick its last chunk's forward
-    ends there. Every input arrives one tick before it is used: from the stage before (or, for the
-    next round, from the last stage round the ring) going forward, from the stage after (or the first
-    stage, round the ring) going back.
+    T0 + j + P - 1 - p with T0 = R P - 1: on the last stage in the very tick its last chunk's
+    forward ends there. Every input arrives one tick before it is used: from the stage before (or,
+    for the next round, from the last stage round the ring) going forward, from the stage after
+    (or the first stage, round the ring) going back.
 
     `f_valid`, `b_valid`: the slot works (not the bubble); `f_micro`, `b_micro`: the microbatch;
     `f_chunk`, `b_chunk`: its chunk among the stage's R; `f_slot`, `b_slot`: where the stage input
@@ -112,7 +112,8 @@ class PipelineSchedule:
     b = dict(b_valid=b_valid, b_micro=g * P + k, b_chunk=r, b_slot=(g * R * P + r * P + k) % slots,
              b_first=b_valid & (stage == P - 1) & (r == R - 1),
              b_last=b_valid & (stage == 0) & (r == 0))
-    return {k: np.broadcast_to(v, (self.iterations, P)).astype(np.int32 if v.dtype != bool else bool)
+    dtype = lambda v: bool if v.dtype == bool else np.int32
+    return {k: np.broadcast_to(v, (self.iterations, P)).astype(dtype(v))
             for k, v in {**f, **b}.items()}
 
   @property
@@ -247,7 +248,7 @@ def pipelined(schedule: PipelineSchedule):
     if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
       stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
       stage_keys = None if keys is None else stage_keys[:, 0]
-    micro = split_rows(x, M)               # [M, rows / M, ...]: round robin, as the devices hold them
+    micro = split_rows(x, M)   # [M, rows / M, ...]: round robin, as the devices hold them
     micro_rows = jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), rows)   # read per stage
     # Every stage has its own ring with its own copy of the batch (each device held the batch
     # already), so that the batch's gradient is summed per stage and reduced over the stages

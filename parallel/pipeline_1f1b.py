@@ -16,6 +16,12 @@ activations that live from one tick to the next, `PipelineSchedule.in_flight` of
 at a time, as soon as its last chunk's forward ends: its gradient starts that microbatch's backward
 in the same tick.
 
+Without remat the chunk's layers run unrolled (`unroll`): a loop over them inside the tick's loop
+takes its own copy of the stage's weights, and its gradient sums another (XLA's buffers for the
+inner loop; 100m on 4 stages x 2-way ZeRO-3: temp 0.53 GiB rolled, 0.41 GiB unrolled). Under
+remat they stay in a loop: unrolled, XLA:CPU schedules every layer's recomputation ahead of the
+backward pass and keeps them all (7b, remat full: 121 GiB of temp against 31 GiB rolled).
+
 Autodiff cannot interleave backward with forward, so the pipeline is a `jax.custom_vjp` whose
 forward rule computes the loss and every gradient, and whose backward rule hands the gradients
 back. The loss's cotangent must be known up front (`seeded`: the train step's loss scale over the
@@ -44,6 +50,7 @@ class OneFOneB:
   schedule: PipelineSchedule
   rules: LayoutRules | None = None   # where the gradients live (None: left to XLA)
   gather_once: bool = True           # ZeRO-3: gather each stage's weights once per step
+  unroll: bool = False               # a chunk's layers as straight-line code (without remat)
   seed: jax.Array | None = None      # the cotangent the loss sum will get (train/step.py)
 
   runs_loss = True   # models/llama.py: hand this stack the head and loss
@@ -63,8 +70,8 @@ class OneFOneB:
     logical axes (PartitionSpecs of names) of the layers', embedding's and tail's weights."""
     seed = jnp.float32(1) if self.seed is None else self.seed
     (embed_fn, embed_weights, embed_rows), (tail_fn, tail_weights) = embed, tail
-    run = functools.partial(_run, self.schedule, self._placements(axes), layer, keys, rows,
-                            embed_fn, embed_rows, tail_fn, targets, seed)
+    run = functools.partial(_run, self.schedule, self._placements(axes), self.unroll, layer, keys,
+                            rows, embed_fn, embed_rows, tail_fn, targets, seed)
 
     @jax.custom_vjp
     def pipeline(layers, embed_weights, tail_weights):
@@ -72,7 +79,8 @@ class OneFOneB:
 
     def forward(layers, embed_weights, tail_weights):
       primals = (layers, embed_weights, tail_weights)
-      return run(jax.tree.map(lambda a: a.value, primals), jax.tree.map(lambda a: a.perturbed, primals))
+      return run(jax.tree.map(lambda a: a.value, primals),
+                 jax.tree.map(lambda a: a.perturbed, primals))
 
     def backward(grads, cotangent):
       ratio = cotangent / seed
@@ -131,8 +139,8 @@ class _Trained:
     return jax.tree.unflatten(self.treedef, full)
 
 
-def _run(schedule: PipelineSchedule, placements, layer, keys, rows, embed, embed_rows, tail,
-         targets, seed, weights, wanted):
+def _run(schedule: PipelineSchedule, placements, unroll, layer, keys, rows, embed, embed_rows,
+         tail, targets, seed, weights, wanted):
   """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
   False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -164,11 +172,8 @@ def _run(schedule: PipelineSchedule, placements, layer, keys, rows, embed, embed
     rows_now = take(micro_rows, microbatch)
 
     def apply(trained, held):
-      # Unrolled: a loop over the chunk's layers inside the tick's loop would take its own copy
-      # of the stage's weights (and its gradient sums another), XLA's buffers for the inner
-      # loop (100m on 4 stages x 2-way ZeRO-3: temp 0.53 GiB rolled, 0.41 GiB unrolled).
       return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now,
-                        unroll=True)
+                        unroll=unroll)
     return apply, layers.trained(picked)
 
   def embed_of(microbatch):

@@ -33,7 +33,8 @@ def single_device(batch_size: int):
 
 def train(c, devices=None, steps: int = 3, packed: bool = False):
   """(losses, final parameters as numpy, the setup) of `steps` steps from the seed's state.
-  `packed`: each row holds documents of random lengths (segments), their first targets unpredicted."""
+  `packed`: each row holds documents of random lengths (segments), their first targets not
+  predicted."""
   s = run.setup(c, devices)
   state, losses = s.layout.init(), []
   for i in range(steps):
@@ -153,9 +154,11 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
     '1f1b-fsdp-M8': {'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_microbatches': 8},
     'interleaved_1f1b-fsdp-M8': {'parallel.pipeline_schedule': 'interleaved_1f1b',
                                  'parallel.pipeline_repeats': 2, 'parallel.pipeline_microbatches': 8},
-    # Replicated gradients summed per data-parallel device (train/step.py's per_device).
-    '1f1b-tensor-data-M4': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2), 'parallel.zero_stage': 0,
-                            'parallel.pipeline_schedule': '1f1b'},
+    # Replicated gradients summed per data-parallel device (train/step.py's per_device); under
+    # remat the chunk's layers run in a loop, without it unrolled.
+    '1f1b-tensor-data-M4-remat': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2),
+                                  'parallel.zero_stage': 0, 'parallel.pipeline_schedule': '1f1b',
+                                  'model.remat': 'full'},
     'interleaved_1f1b-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
                                    'parallel.zero_stage': 1, 'train.microbatches': 2,
                                    'parallel.pipeline_schedule': 'interleaved_1f1b',

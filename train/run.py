@@ -57,7 +57,7 @@ class Setup:
   @property
   def stack(self):
     """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
-    return pipeline_stack(self.pipeline, self.rules, gather_once(self.config))
+    return pipeline_stack(self.pipeline, self.config, self.rules)
 
   def context(self):
     """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
@@ -72,14 +72,15 @@ def gather_once(config) -> bool:
   return config.parallel.get('pipeline_gather_once', True)
 
 
-def pipeline_stack(schedule: PipelineSchedule | None, rules=None, gather_once: bool = True):
+def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
   """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b:
-  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered `gather_once` per
-  step), or after all forwards (gpipe, circular); None (one stage): one after another."""
+  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered once per step unless
+  the config says not, a chunk's layers unrolled without remat), or after all forwards (gpipe,
+  circular); None (one stage): one after another."""
   if schedule is None:
     return None
   if schedule.backward_in_loop:
-    return OneFOneB(schedule, rules, gather_once)
+    return OneFOneB(schedule, rules, gather_once(config), unroll=config.model.remat == 'none')
   return pipelined(schedule)
 
 
@@ -126,7 +127,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout.grad_shardings, per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=pipeline_stack(schedule, rules, gather_once(config)),
+                            stack=pipeline_stack(schedule, config, rules),
                             update_shardings=layout.update_shardings,
                             layer_writes=layout.layer_writes,
                             model_shapes=layout.model_shapes,

@@ -61,7 +61,8 @@ def cross_entropy(graphdef, params, frozen, batch, dropout_key=None, stack=None,
 def loss_denominator(batch, denominator=None) -> jax.Array:
   """What the loss sum is divided by: `denominator` (default: the batch's predicted targets),
   at least 1, in fp32."""
-  return jnp.maximum(predicted(batch) if denominator is None else denominator, 1).astype(jnp.float32)
+  denominator = predicted(batch) if denominator is None else denominator
+  return jnp.maximum(denominator, 1).astype(jnp.float32)
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
