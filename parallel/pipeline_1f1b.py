@@ -16,11 +16,13 @@ activations that live from one tick to the next, `PipelineSchedule.in_flight` of
 at a time, as soon as its last chunk's forward ends: its gradient starts that microbatch's backward
 in the same tick.
 
-Without remat the chunk's layers run unrolled (`unroll`): a loop over them inside the tick's loop
-takes its own copy of the stage's weights, and its gradient sums another (XLA's buffers for the
-inner loop; 100m on 4 stages x 2-way ZeRO-3: temp 0.53 GiB rolled, 0.41 GiB unrolled). Under
-remat they stay in a loop: unrolled, XLA:CPU schedules every layer's recomputation ahead of the
-backward pass and keeps them all (7b, remat full: 121 GiB of temp against 31 GiB rolled).
+A chunk's layers run as straight-line code where they can: a loop over them inside the tick's
+loop takes its own copy of the stage's weights, and its gradient sums another (XLA's buffers for
+the inner loop; 100m on 4 stages x 2-way ZeRO-3: temp 0.53 GiB in a loop, 0.41 GiB without). The
+forward slot is always straight-line (in a loop, jax 0.10.2's XLA:CPU hangs with data, tensor
+parallelism and remat together); the backward slot's vjp too, except under remat
+(`rolled_backward`), where it stays a loop: straight-line, XLA:CPU runs every layer's
+recomputation first and keeps them all (7b, remat full: 120 GiB of temp, against 47 GiB).
 
 Autodiff cannot interleave backward with forward, so the pipeline is a `jax.custom_vjp` whose
 forward rule computes the loss and every gradient, and whose backward rule hands the gradients
@@ -50,7 +52,7 @@ class OneFOneB:
   schedule: PipelineSchedule
   rules: LayoutRules | None = None   # where the gradients live (None: left to XLA)
   gather_once: bool = True           # ZeRO-3: gather each stage's weights once per step
-  unroll: bool = False               # a chunk's layers as straight-line code (without remat)
+  rolled_backward: bool = False      # under remat: a chunk's backward in a loop over its layers
   seed: jax.Array | None = None      # the cotangent the loss sum will get (train/step.py)
 
   runs_loss = True   # models/llama.py: hand this stack the head and loss
@@ -70,8 +72,8 @@ class OneFOneB:
     logical axes (PartitionSpecs of names) of the layers', embedding's and tail's weights."""
     seed = jnp.float32(1) if self.seed is None else self.seed
     (embed_fn, embed_weights, embed_rows), (tail_fn, tail_weights) = embed, tail
-    run = functools.partial(_run, self.schedule, self._placements(axes), self.unroll, layer, keys,
-                            rows, embed_fn, embed_rows, tail_fn, targets, seed)
+    run = functools.partial(_run, self.schedule, self._placements(axes), self.rolled_backward,
+                            layer, keys, rows, embed_fn, embed_rows, tail_fn, targets, seed)
 
     @jax.custom_vjp
     def pipeline(layers, embed_weights, tail_weights):
@@ -139,8 +141,8 @@ class _Trained:
     return jax.tree.unflatten(self.treedef, full)
 
 
-def _run(schedule: PipelineSchedule, placements, unroll, layer, keys, rows, embed, embed_rows,
-         tail, targets, seed, weights, wanted):
+def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, rows, embed,
+         embed_rows, tail, targets, seed, weights, wanted):
   """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
   False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
@@ -164,17 +166,25 @@ def _run(schedule: PipelineSchedule, placements, unroll, layer, keys, rows, embe
     return a[0] if R == 1 else a[index]
 
   def chunk_of(weight_leaves, stage_keys, index, microbatch):
-    """(a function of (the chunk's trained weights, its input) -> its output, those weights)."""
+    """(the chunk's weights, its dropout keys, its microbatch's per-row inputs)."""
     picked = [pick(a, index) for a in weight_leaves]
     chunk_keys = None
     if stage_keys is not None:   # a dropout mask per layer and microbatch
       chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(pick(stage_keys, index))
-    rows_now = take(micro_rows, microbatch)
+    return picked, chunk_keys, take(micro_rows, microbatch)
 
+  def chunk_forward(weight_leaves, stage_keys, index, microbatch, held):
+    picked, chunk_keys, rows_now = chunk_of(weight_leaves, stage_keys, index, microbatch)
+    return scan_chunk(layer, jax.tree.unflatten(layers.treedef, picked), held, chunk_keys,
+                      rows_now, unroll=True)
+
+  def chunk_backward(weight_leaves, stage_keys, index, microbatch, held, cotangent):
+    """(the gradients of the chunk's trained weights, [chunk, ...] each; of its input)."""
+    picked, chunk_keys, rows_now = chunk_of(weight_leaves, stage_keys, index, microbatch)
     def apply(trained, held):
       return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now,
-                        unroll=unroll)
-    return apply, layers.trained(picked)
+                        unroll=not rolled_backward)
+    return jax.vjp(apply, layers.trained(picked), held)[1](cotangent)
 
   def embed_of(microbatch):
     rows_now = take(micro_embed_rows, microbatch)
@@ -200,8 +210,7 @@ def _run(schedule: PipelineSchedule, placements, unroll, layer, keys, rows, embe
       kept = carry['kept']
       carry['kept'] = jax.lax.dynamic_update_index_in_dim(
           kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
-      apply, trained = chunk_of(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'])
-      out = apply(trained, held)
+      out = chunk_forward(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'], held)
     dx = carry['backward_in']
     if backward:
       cotangent = carry['backward_in']
@@ -211,9 +220,8 @@ def _run(schedule: PipelineSchedule, placements, unroll, layer, keys, rows, embe
         carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
         carry['tail_grads'] = add(carry['tail_grads'], d_tail, t['f_last'], place_grads[2])
         cotangent = jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
-      apply, trained = chunk_of(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'])
-      _, chunk_vjp = jax.vjp(apply, trained, carry['kept'][t['b_slot']])
-      d_weights, dx = chunk_vjp(cotangent)
+      d_weights, dx = chunk_backward(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'],
+                                     carry['kept'][t['b_slot']], cotangent)
       grads = []
       for g, d, place in zip(carry['grads'], d_weights, place_grads[0]):
         d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)

@@ -75,12 +75,13 @@ def gather_once(config) -> bool:
 def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
   """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b:
   its gradients placed by the layout's `rules`, ZeRO-3's weights gathered once per step unless
-  the config says not, a chunk's layers unrolled without remat), or after all forwards (gpipe,
+  the config says not, a chunk's backward in a loop under remat), or after all forwards (gpipe,
   circular); None (one stage): one after another."""
   if schedule is None:
     return None
   if schedule.backward_in_loop:
-    return OneFOneB(schedule, rules, gather_once(config), unroll=config.model.remat == 'none')
+    return OneFOneB(schedule, rules, gather_once(config),
+                    rolled_backward=config.model.remat != 'none')
   return pipelined(schedule)
 
 
