@@ -73,8 +73,6 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
                                           # 1f1b or interleaved_1f1b (README: which to use)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
       pipeline_repeats=1,                 # circular, interleaved_1f1b: layer chunks per stage
-      pipeline_gather_once=True,          # 1f1b under ZeRO-3: a stage's weights gathered once per
-                                          # step (held whole), not at every microbatch
       offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed
                                           # to the device a layer at a time for the update
       offload_frozen=False,               # LoRA/QLoRA: the frozen base in host memory, streamed

@@ -123,7 +123,6 @@ class StepShape:
   pipeline_microbatches: int = 1   # what the pipeline splits one microbatch into
   repeats: int = 1       # layer chunks per stage (circular schedule)
   schedule: str = 'gpipe'   # parallel.pipeline_schedule: 1f1b ones run the backward in the loop
-  gather_once: bool = True  # parallel.pipeline_gather_once (1f1b under ZeRO-3)
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
 
@@ -556,7 +555,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stages, and at its peak recomputes one chunk on one microbatch (its saved activations under the
   model's remat and one layer's backward working set) or runs the head and loss on one
   microbatch, whichever is larger. Beside them: the embedding's and head's gradient sums on every
-  stage (the layers' are `pipeline_grads`, as in GPipe), with `gather_once` under ZeRO-3 the
+  stage (the layers' are `pipeline_grads`, as in GPipe), under ZeRO-3 (gathered once a step) the
   stage's weights whole over `fsdp`, and under remat the chunk loop's copies."""
   P, M, R = shape.stages, shape.pipeline_microbatches, shape.repeats
   micro = dataclasses.replace(shape, rows_per_device=shape.rows_per_device // M, stages=1,
@@ -580,7 +579,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
   vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 2)
   whole = 0
-  if shape.gather_once and shape.gathers_params:
+  if shape.gathers_params:
     whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
   loop_copies = 0
   if cfg.remat != 'none':

@@ -223,10 +223,10 @@ def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_gr
 
 
 def test_zero3_under_1f1b_gathers_each_stages_weights_once_per_step():
-  gathered = lambda m, once: _compiled('1f1b', m, **{'parallel.pipeline_gather_once': once})[
-      'collectives_per_step']['all-gather']['bytes']
-  assert gathered(4, True) == gathered(16, True)              # whatever the microbatches
-  assert gathered(16, False) > 4 * gathered(16, True)          # at every tick, forward and back
+  gathered = {schedule: [_compiled(schedule, m)['collectives_per_step']['all-gather']['bytes']
+                         for m in (4, 16)] for schedule in ('gpipe', '1f1b')}
+  assert gathered['1f1b'][0] == gathered['1f1b'][1]      # whatever the microbatches
+  assert gathered['gpipe'][1] > 2 * gathered['1f1b'][1]  # GPipe gathers at every iteration
 
 
 def test_the_dry_run_reports_the_compiled_schedule():

@@ -189,9 +189,6 @@ def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSch
   """The pipeline `mesh.stage` and `parallel.pipeline_*` ask for (None: one stage), checked
   against the model's depth and the batch (after `check_config`)."""
   parallel, train = config.parallel, config.train
-  if not isinstance(parallel.get('pipeline_gather_once', True), bool):
-    raise ConfigError(f'parallel.pipeline_gather_once={parallel.pipeline_gather_once!r}; it must '
-                      f'be True or False')
   if stages == 1:
     return None
   schedule = PipelineSchedule(parallel.pipeline_schedule, stages, parallel.pipeline_microbatches,

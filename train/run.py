@@ -67,21 +67,15 @@ class Setup:
     return stack
 
 
-def gather_once(config) -> bool:
-  # A config saved before the key existed has none.
-  return config.parallel.get('pipeline_gather_once', True)
-
-
 def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
   """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b:
-  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered once per step unless
-  the config says not, a chunk's backward in a loop under remat), or after all forwards (gpipe,
+  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered once per step, a
+  chunk's backward in a loop under remat), or after all forwards (gpipe,
   circular); None (one stage): one after another."""
   if schedule is None:
     return None
   if schedule.backward_in_loop:
-    return OneFOneB(schedule, rules, gather_once(config),
-                    rolled_backward=config.model.remat != 'none')
+    return OneFOneB(schedule, rules, rolled_backward=config.model.remat != 'none')
   return pipelined(schedule)
 
 
@@ -262,8 +256,7 @@ def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:
                     offload_frozen=s.config.parallel.get('offload_frozen', False),
                     **({} if s.pipeline is None else dict(
                         stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
-                        repeats=s.pipeline.repeats, schedule=s.pipeline.name,
-                        gather_once=gather_once(s.config))))
+                        repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
   trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)
