@@ -109,9 +109,9 @@ class OneFOneB:
                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
     if self.rules is None:
       return keep(axes[0]), tuple(keep(a) for a in axes)
-    return placed(axes[0], REPLICATED, True), (placed(axes[0], self.rules.grads, True),
-                    placed(axes[1], self.rules.grads, False),
-                    placed(axes[2], self.rules.grads, False))
+    gradients = (placed(axes[0], self.rules.grads, True), placed(axes[1], self.rules.grads, False),
+                 placed(axes[2], self.rules.grads, False))
+    return placed(axes[0], REPLICATED, True), gradients
 
 
 class _Trained:
