@@ -188,9 +188,9 @@ def offload(config, *, stages: int) -> None:
 def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSchedule | None:
   """The pipeline `mesh.stage` and `parallel.pipeline_*` ask for (None: one stage), checked
   against the model's depth and the batch (after `check_config`)."""
-  parallel, train = config.parallel, config.train
   if stages == 1:
     return None
+  parallel, train = config.parallel, config.train
   schedule = PipelineSchedule(parallel.pipeline_schedule, stages, parallel.pipeline_microbatches,
                               parallel.pipeline_repeats)
   refused = schedule.refusal(model_config(config).num_layers,
