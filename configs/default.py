@@ -66,9 +66,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint
                                           # directory (fine-tuning an imported model on its vocabulary)
   )
-  config.mesh = dict(stage=1, data=-1, fsdp=1, tensor=1)  # axis name -> size; one -1 takes the rest
+  config.mesh = dict(stage=1, data=-1, fsdp=1, context=1, tensor=1)  # axis -> size; one -1: the rest
   config.parallel = dict(
-      zero_stage=0,                       # 0 DDP, 1-3 ZeRO stages over the fsdp axis
+      zero_stage=0,                       # 0 DDP, 1-3 ZeRO stages over fsdp x context
       pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, circular (interleaved),
                                           # 1f1b or interleaved_1f1b (README: which to use)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage

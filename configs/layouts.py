@@ -9,8 +9,8 @@ import ml_collections
 from configs import default
 
 
-def _mesh(stage=1, data=1, fsdp=1, tensor=1) -> dict:
-  return dict(stage=stage, data=data, fsdp=fsdp, tensor=tensor)
+def _mesh(stage=1, data=1, fsdp=1, context=1, tensor=1) -> dict:
+  return dict(stage=stage, data=data, fsdp=fsdp, context=context, tensor=tensor)
 
 
 LAYOUTS = {

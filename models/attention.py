@@ -136,12 +136,14 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
 
 # ---- flash: blocks of `block` queries against blocks of `block` keys (flash_block) -------------
-# Blocked layouts: queries [n, b, kv_heads, group, block, d], keys and values [n, b, kv_heads,
-# block, d], per-row statistics [n, b, kv_heads, group, block], segment ids [n, b, block] (the same
-# blocks serve queries and keys). Query block i attends to key blocks 0..i; without segments only
-# the diagonal block needs the causal mask. The length is padded up to whole blocks: padded keys
-# lie after every real query, so causality already hides them, and padded query rows are cut off at
-# the end.
+# Blocked layouts: queries [nq, b, kv_heads, group, block, d], keys and values [nk, b, kv_heads,
+# block, d], per-row statistics [nq, b, kv_heads, group, block], segment ids [nq or nk, b, block].
+# `at` [nq] int: the key block each query block lies on (ascending). A whole sequence has
+# at = 0..n-1; a context shard (models/context.py) holds some query blocks of the sequence and
+# attends to all its keys. Query block m attends to key blocks 0..at[m]; without segments only the
+# block on the diagonal needs the causal mask. The length is padded up to whole blocks: padded
+# keys lie after every real query, so causality already hides them, and padded query rows are cut
+# off at the end.
 #
 # With segments a query row may see no key of an earlier key block (another document). Its scores
 # there are all _MASKED, so the running maximum stays _MASKED and those probabilities come out as 1:
@@ -168,6 +170,11 @@ def _blocked_keys(x: jax.Array, n: int, block: int) -> jax.Array:
   return x.reshape(b, n, block, kv, d).transpose(1, 0, 3, 2, 4)
 
 
+def _blocked_segments(segments: jax.Array | None, n: int, block: int) -> jax.Array | None:
+  """[b, n * block] -> [n, b, block]."""
+  return None if segments is None else segments.reshape(segments.shape[0], n, block).swapaxes(0, 1)
+
+
 def _loop(lower, upper, body, init, n: int):
   """fori_loop over block indices; with a single block (n == 1) the body once, so that short
   sequences compile and run without loops."""
@@ -184,25 +191,26 @@ def _over_blocks(body, carry, xs, n: int):
   return jax.lax.scan(body, carry, xs)
 
 
-def _scores(qi, kj, i, j, block, sb):
-  """Query block i's scores against key block j, masked; `sb`: blocked segment ids or None."""
+def _scores(qi, kj, i, j, block, query_segments, key_segments):
+  """Scores of a query block on key block i against key block j, masked; the segment ids of
+  those query and key rows [b, block] (or None)."""
   s = _dot('bkgqd,bksd->bkgqs', qi, kj) * _score_scale(qi.shape[-1])
   visible = _block_mask(i, j, block)
-  if sb is not None:
-    visible = (visible & _same_segment(sb[i], sb[j]))[:, None, None]   # [b, 1, 1, block, block]
+  if query_segments is not None:
+    visible = (visible & _same_segment(query_segments, key_segments))[:, None, None]
   return jnp.where(visible, s, _MASKED)
 
 
-def _flash_forward(qb, kb, vb, sb):
+def _flash_forward(qb, kb, vb, qsb, ksb, at):
   """Blocked outputs (in the compute dtype) and each row's log-sum-exp of the scores (fp32)."""
-  n, block = qb.shape[0], qb.shape[-2]
+  block = qb.shape[-2]
 
   def query_block(_, inputs):
-    qi, i = inputs
+    qi, i, si = inputs
 
     def key_block(j, carry):
       row_max, row_sum, acc = carry
-      s = _scores(qi, kb[j], i, j, block, sb)
+      s = _scores(qi, kb[j], i, j, block, si, None if ksb is None else ksb[j])
       new_max = jnp.maximum(row_max, s.max(axis=-1))
       p = jnp.exp(s - new_max[..., None])
       fade = jnp.exp(row_max - new_max)
@@ -211,63 +219,66 @@ def _flash_forward(qb, kb, vb, sb):
 
     stats = jnp.full(qi.shape[:-1], _MASKED, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
-    row_max, row_sum, acc = _loop(0, i + 1, key_block, init, n)
+    row_max, row_sum, acc = _loop(0, i + 1, key_block, init, kb.shape[0])
     out = (acc / row_sum[..., None]).astype(qi.dtype)
     return None, (out, row_max + jnp.log(row_sum))
 
-  _, (out, lse) = _over_blocks(query_block, None, (qb, jnp.arange(n)), n)
+  _, (out, lse) = _over_blocks(query_block, None, (qb, at, qsb), qb.shape[0])
   return out, lse
 
 
-def _flash_backward(qb, kb, vb, sb, out, lse, d_out):
-  """Gradients of the blocked q, k, v: key block j's dk and dv gather over query blocks j..n-1;
-  each block's probabilities are rebuilt from the saved log-sum-exp (no [t, t] block is kept)."""
-  n, block = qb.shape[0], qb.shape[-2]
+def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
+  """Gradients of the blocked q, k, v: key block j's dk and dv gather over the query blocks on
+  key blocks j and later; each block's probabilities are rebuilt from the saved log-sum-exp (no
+  [t, t] block is kept)."""
+  nq, block = qb.shape[0], qb.shape[-2]
   dtype = qb.dtype
   # D_i = rowsum(dO * O): the softmax's backward without the probabilities of the whole row.
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
   def key_block(dq, inputs):
-    kj, vj, j = inputs
+    kj, vj, j, sj = inputs
 
-    def query_block(i, carry):
+    def query_block(m, carry):
       dq, dk, dv = carry
-      qi, d_out_i = qb[i], d_out[i]
-      p = jnp.exp(_scores(qi, kj, i, j, block, sb) - lse[i][..., None])
+      qi, d_out_i = qb[m], d_out[m]
+      s = _scores(qi, kj, at[m], j, block, None if qsb is None else qsb[m], sj)
+      p = jnp.exp(s - lse[m][..., None])
       dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
       dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
       # The scores' gradient, times the scale the scores were multiplied by: dq and dk are the
       # gradients of the unscaled q and k.
-      ds = (p * (dp - delta[i][..., None]) * _score_scale(qi.shape[-1])).astype(dtype)
-      dq = dq.at[i].add(_dot('bkgqs,bksd->bkgqd', ds, kj))
+      ds = (p * (dp - delta[m][..., None]) * _score_scale(qi.shape[-1])).astype(dtype)
+      dq = dq.at[m].add(_dot('bkgqs,bksd->bkgqd', ds, kj))
       dk = dk + _dot('bkgqs,bkgqd->bksd', ds, qi)
       return dq, dk, dv
 
     zeros = jnp.zeros(kj.shape, jnp.float32)
-    dq, dk, dv = _loop(j, n, query_block, (dq, zeros, zeros), n)
+    # The first query block that sees key block j (`at` ascending); on a whole sequence, j.
+    first = j if nq == kb.shape[0] else jnp.sum(at < j)
+    dq, dk, dv = _loop(first, nq, query_block, (dq, zeros, zeros), nq)
     return dq, (dk, dv)
 
   dq, (dk, dv) = _over_blocks(key_block, jnp.zeros(qb.shape, jnp.float32),
-                              (kb, vb, jnp.arange(n)), n)
+                              (kb, vb, jnp.arange(kb.shape[0]), ksb), kb.shape[0])
   return dq.astype(dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
 
 
-# `sb`, the blocked segment ids (or None), is an input like q, k and v, so that the function is
-# traced once per shape whatever the ids; being integer it has no gradient (a float0 zero).
+# The blocked segment ids (or None) and `at` are inputs like q, k and v, so that the function is
+# traced once per shape whatever their values; being integers they have no gradient (float0 zeros).
 @jax.custom_vjp
-def _flash_blocked(qb, kb, vb, sb):
-  return _flash_forward(qb, kb, vb, sb)[0]
+def _flash_blocked(qb, kb, vb, qsb, ksb, at):
+  return _flash_forward(qb, kb, vb, qsb, ksb, at)[0]
 
 
-def _flash_blocked_fwd(qb, kb, vb, sb):
-  out, lse = _flash_forward(qb, kb, vb, sb)
-  return out, (qb, kb, vb, sb, out, lse)
+def _flash_blocked_fwd(qb, kb, vb, qsb, ksb, at):
+  out, lse = _flash_forward(qb, kb, vb, qsb, ksb, at)
+  return out, (qb, kb, vb, qsb, ksb, at, out, lse)
 
 
 def _flash_blocked_bwd(residuals, d_out):
-  sb = residuals[3]
-  no_grad = None if sb is None else np.zeros(sb.shape, jax.dtypes.float0)
-  return (*_flash_backward(*residuals, d_out), no_grad)
+  no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+  return (*_flash_backward(*residuals, d_out), *map(no_grad, residuals[3:6]))
 
 
 _flash_blocked.defvjp(_flash_blocked_fwd, _flash_blocked_bwd)
@@ -277,17 +288,28 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = FLASH
                     segments: jax.Array | None = None) -> jax.Array:
   """Blockwise causal attention (within segments when given); `block` query (and key) positions
   per block."""
-  b, t, heads, d = q.shape
-  kv_heads = k.shape[2]
+  t = q.shape[1]
   block = min(block, t)
   n = -(-t // block)
-  pad = [(0, 0), (0, n * block - t)] + [(0, 0)] * 2
-  qg = jnp.pad(_groups(q, kv_heads), pad + [(0, 0)])
-  qb = _blocked_queries(qg, n, block)
-  kb, vb = (_blocked_keys(jnp.pad(x, pad), n, block) for x in (k, v))
+  pad = [(0, 0), (0, n * block - t)]
   # Padded positions get segment 0 like padding; causality hides them from every real query.
-  sb = None if segments is None else (
-      jnp.pad(segments, pad[:2]).reshape(b, n, block).swapaxes(0, 1))
-  out = _flash_blocked(qb, kb, vb, sb)                 # [n, b, kv, g, block, d]
-  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n * block, heads, d)
+  padded = lambda x: jnp.pad(x, pad + [(0, 0)] * (x.ndim - 2))
+  segments = None if segments is None else padded(segments)
+  out = flash_attention_at(*map(padded, (q, k, v)), jnp.arange(n), block, segments, segments)
   return out[:, :t]
+
+
+def flash_attention_at(q: jax.Array, k: jax.Array, v: jax.Array, at: jax.Array, block: int,
+                       query_segments: jax.Array | None = None,
+                       key_segments: jax.Array | None = None) -> jax.Array:
+  """Blockwise causal attention of queries q [b, len(at) * block, heads, d] whose blocks lie at
+  key blocks `at` (ascending) of the keys k, v [b, n * block, kv_heads, d]: query block m holds
+  positions at[m] * block + 0..block-1. Segment ids [b, ...] of the queries and of the keys, or
+  None for both."""
+  b, _, heads, d = q.shape
+  kv_heads, nq, nk = k.shape[2], len(at), k.shape[1] // block
+  qb = _blocked_queries(_groups(q, kv_heads), nq, block)
+  kb, vb = (_blocked_keys(x, nk, block) for x in (k, v))
+  out = _flash_blocked(qb, kb, vb, _blocked_segments(query_segments, nq, block),
+                       _blocked_segments(key_segments, nk, block), at)
+  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * block, heads, d)

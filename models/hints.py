@@ -4,9 +4,25 @@ The model tags activations with logical names; whether and how that maps onto a 
 by the logical-axis rules that the caller puts in context (flax `logical_axis_rules`). With no rules
 in context the hint does nothing, so the model runs unchanged on one device.
 """
+import math
+
 import jax
 from flax import linen
+from jax.sharding import PartitionSpec
 
 
 def constrain(x: jax.Array, axes: tuple) -> jax.Array:
   return linen.with_logical_constraint(x, axes)
+
+
+def mesh_spec(axes: tuple) -> PartitionSpec:
+  """The PartitionSpec the rules in context give logical `axes` (all None without rules)."""
+  return linen.logical_to_mesh_axes(axes)
+
+
+def shards(axis: str) -> int:
+  """Into how many pieces the rules and the mesh in context split logical `axis` (1: whole)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  part = mesh_spec((axis,))[0]
+  names = (part,) if isinstance(part, str) else tuple(part or ())
+  return math.prod(mesh.shape[name] for name in names if name in mesh.shape)

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import attend, cached_attention
 from models.config import ModelConfig
+from models.context import context_attention, sequence_shards
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
 from precision.policy import Policy
@@ -122,7 +123,11 @@ class Attention(nnx.Module):
     on_q, on_k, on_v, on_out = split_call(adapters, 4)
     q, k, v = self._project(x, cos, sin, on_q, on_k, on_v)
     q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
-    attended = attend(q, k, v, self.cfg.attention, segments)
+    context_shards = sequence_shards()
+    if context_shards > 1:   # the sequence split over devices, in zigzag order (models/context.py)
+      attended = context_attention(q, k, v, segments, context_shards)
+    else:
+      attended = attend(q, k, v, self.cfg.attention, segments)
     attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))
     return self.out(attended, on_out)
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from models import lora
 from models.config import ModelConfig
+from models.context import from_zigzag, sequence_shards, to_zigzag, zigzag_order
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
 from models.layers import Block, make_norm, rope_tables
@@ -125,7 +126,7 @@ class Transformer(nnx.Module):
     rows = tokens.shape[0]
     x, head = self.hidden(tokens, positions, segments=segments, dropout_key=dropout_key,
                           reference=reference)
-    logits = head(x)
+    logits = from_zigzag(head(x), self._context_order(tokens.shape[1]))
     return (logits[:rows], logits[rows:]) if reference else logits
 
   def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
@@ -135,7 +136,9 @@ class Transformer(nnx.Module):
     the head runs `model.loss_chunk` positions at a time (models/loss.py). `segments`, `stack`:
     as in `hidden`."""
     x, head = self.hidden(tokens, segments=segments, dropout_key=dropout_key, stack=stack)
-    return token_losses(head, x, targets, self.cfg.loss_chunk)
+    order = self._context_order(tokens.shape[1])
+    losses = token_losses(head, x, to_zigzag(targets, order), self.cfg.loss_chunk)
+    return from_zigzag(losses, order)
 
   def loss_sum(self, tokens: jax.Array, targets: jax.Array, *, segments: jax.Array | None = None,
                dropout_key: jax.Array | None = None, stack: 'Stack | None' = None) -> jax.Array:
@@ -147,8 +150,7 @@ class Transformer(nnx.Module):
                                stack=stack).sum()
     _, layer, layers, keys, rows, call = self._stack_inputs(tokens, None, segments, dropout_key,
                                                             embed=False)
-    positions = (jnp.arange(tokens.shape[1])[None] if segments is None
-                 else segment_positions(segments))
+    tokens, positions, _, targets = self._in_context_order(tokens, None, segments, targets)
     # Split into microbatches with the tokens, unless one row serves all.
     embed_rows = {'tokens': tokens, **({} if positions.shape[0] == 1 else {'positions': positions})}
 
@@ -202,10 +204,7 @@ class Transformer(nnx.Module):
     stacked `layers`, their dropout keys, the per-row inputs), and the adapters' call (None: no
     dropout, no reference)."""
     cfg = self.cfg
-    if positions is None:
-      # Without segments one row for all: the tables broadcast over any split of the batch.
-      positions = (jnp.arange(tokens.shape[1])[None] if segments is None
-                   else segment_positions(segments))
+    tokens, positions, segments, _ = self._in_context_order(tokens, positions, segments)
     rows = tokens.shape[0]
     active_rows = None
     if reference:   # the batch twice: adapters on for the first copy, off for the second
@@ -241,6 +240,21 @@ class Transformer(nnx.Module):
     if cfg.remat != 'none':
       layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
     return x, layer, layers, layer_keys, row_inputs, call
+
+  def _context_order(self, length: int):
+    """The zigzag order of a sequence split over context shards (models/context.py), or None."""
+    shards = sequence_shards()
+    return None if shards == 1 else zigzag_order(length, shards)
+
+  def _in_context_order(self, tokens, positions, segments, targets=None):
+    """tokens, positions (default: each one's index in its segment, or in the row: one row for
+    all, whose tables broadcast over any split of the batch), segments and targets in the order
+    the blocks run them: the sequence's, or zigzag under context parallelism."""
+    if positions is None:
+      positions = (jnp.arange(tokens.shape[1])[None] if segments is None
+                   else segment_positions(segments))
+    order = self._context_order(tokens.shape[1])
+    return tuple(to_zigzag(x, order) for x in (tokens, positions, segments, targets))
 
   def _embed(self, tokens: jax.Array, positions: jax.Array):
     """The input of the first block [batch, length, d_model], and the rotary tables (None with

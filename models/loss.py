@@ -4,14 +4,16 @@ With `chunk` > 0 the head and the log-softmax run `chunk` positions at a time, i
 is rematerialised: the forward pass keeps only each chunk's loss, the backward pass recomputes the
 chunk's logits, takes their gradient and drops both before the next chunk. The fp32
 [batch, length, vocab] logits and their gradient (at a 128k vocabulary, ~1 GiB each per 2k tokens)
-never exist; one chunk's do. The losses equal the unchunked ones: each position's loss depends only
-on its own logits.
+never exist; one chunk's do (on every context shard: each runs its own positions). The losses
+equal the unchunked ones: each position's loss depends only on its own logits.
 """
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from models.hints import shards
 
 
 @jax.named_scope('loss')
@@ -26,15 +28,25 @@ def token_losses(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: 
     return jnp.where(ignored, 0.0, nats)
 
   b, t = targets.shape
-  if chunk <= 0 or chunk >= t:
+  # Under context parallelism each shard runs its own positions' chunks (a scan over a sharded
+  # axis would gather the whole sequence's hidden states onto every device).
+  pieces = shards('length')
+  local = t // pieces
+  if chunk <= 0 or chunk >= local:
     return losses(x, targets)
-  n = -(-t // chunk)
-  pad = n * chunk - t   # padded positions' losses are computed and cut off
-  x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
-  targets = jnp.pad(targets, ((0, 0), (0, pad)))
-  # [n, batch, chunk, ...]: the scan runs over chunks of positions; the batch keeps its sharding.
-  xs = x.reshape(b, n, chunk, x.shape[-1]).swapaxes(0, 1)
-  ts = targets.reshape(b, n, chunk).swapaxes(0, 1)
+  n = -(-local // chunk)
+  pad = n * chunk - local   # padded positions' losses are computed and cut off
+
+  def chunked(a):
+    """[b, t, ...] -> [n, b, pieces * chunk, ...]: the scan runs over chunks of every shard's
+    positions at once; the batch and the shards keep their sharding."""
+    a = a.reshape(b, pieces, local, *a.shape[2:])
+    a = jnp.pad(a, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3))
+    a = jnp.moveaxis(a.reshape(b, pieces, n, chunk, *a.shape[3:]), 2, 0)
+    return a.reshape(n, b, pieces * chunk, *a.shape[4:])
+
   one_chunk = jax.checkpoint(losses, prevent_cse=False)
-  _, per_chunk = jax.lax.scan(lambda _, xt: (None, one_chunk(*xt)), None, (xs, ts))
-  return per_chunk.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  _, per_chunk = jax.lax.scan(lambda _, xt: (None, one_chunk(*xt)), None,
+                              (chunked(x), chunked(targets)))
+  per_chunk = per_chunk.reshape(n, b, pieces, chunk)
+  return jnp.moveaxis(per_chunk, 0, 2).reshape(b, pieces, n * chunk)[:, :, :local].reshape(b, t)

@@ -5,8 +5,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-# Outermost first: pipeline stages cross the slowest links (between nodes), tensor the fastest.
-MESH_AXES = ('stage', 'data', 'fsdp', 'tensor')
+# Outermost first: pipeline stages cross the slowest links (between nodes), tensor the fastest;
+# context (the sequence split, models/context.py) gathers keys and values in every layer, so it
+# sits next to tensor.
+MESH_AXES = ('stage', 'data', 'fsdp', 'context', 'tensor')
 
 
 def resolve_mesh_shape(mesh_config: dict, num_devices: int) -> dict[str, int]:

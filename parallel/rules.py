@@ -13,6 +13,9 @@ uses*: replicated over `fsdp` (every data-parallel device holds it whole) or sha
 | 2 | replicated | sharded (reduce-scatter) | sharded |
 | 3 (FSDP) | sharded (all-gathered where used) | sharded (reduce-scatter) | sharded |
 
+"Sharded" is over `fsdp` x `context`: the devices that split a sequence share one copy of the
+state as data-parallel devices do, and activations split their `length` over `context`.
+
 Tensor parallelism (Megatron style) is in every table: attention heads and the MLP hidden
 dimension are split over `tensor` (column-parallel in, row-parallel out), and so is the vocabulary
 of the embedding and the logits. So is pipeline parallelism: the stacked blocks' `layers` axis is
@@ -32,25 +35,30 @@ MODEL_PARALLEL = (
     ('mlp', 'tensor'),
 )
 
+# Context parallelism: the sequence is split over `context` (models/context.py).
+SEQUENCE = (('length', 'context'),)
+
 # Activations: the batch is split over every data-parallel axis (FSDP is data parallel too).
-ACTIVATIONS = (('batch', ('data', 'fsdp')),) + MODEL_PARALLEL
+ACTIVATIONS = (('batch', ('data', 'fsdp')),) + SEQUENCE + MODEL_PARALLEL
 
 # State that each data-parallel device holds whole.
 REPLICATED = MODEL_PARALLEL
 
-# State split over `fsdp`: every weight has an `embed` dimension (norm scales are only that), and
-# d_model divides evenly far more often than the other dimensions.
-SHARDED = (('embed', 'fsdp'),) + MODEL_PARALLEL
+# State split over `fsdp` and `context` (the context axis's devices compute on one copy of the
+# model, as data-parallel ones do: torchtitan shards over its dp_shard x cp mesh the same way):
+# every weight has an `embed` dimension (norm scales are only that), and d_model divides evenly far
+# more often than the other dimensions.
+SHARDED = (('embed', ('fsdp', 'context')),) + MODEL_PARALLEL
 
 # The mesh axes whose uneven splits of stored state are padded (parallel/padding.py): the ZeRO
-# axis only stores, so padding it costs bytes and nothing else; the model-parallel axes split
+# axes only store, so padding them costs bytes and nothing else; the model-parallel axes split
 # computation, and a dimension they do not divide is refused.
-PADDED_AXES = ('fsdp',)
+PADDED_AXES = ('fsdp', 'context')
 
 
 # Activations inside a per-device region (a vmap over the data-parallel devices): the batch there
 # is already one device's rows.
-PER_DEVICE_ACTIVATIONS = MODEL_PARALLEL
+PER_DEVICE_ACTIVATIONS = SEQUENCE + MODEL_PARALLEL
 DATA_PARALLEL_AXES = ('data', 'fsdp')
 
 

@@ -72,8 +72,9 @@ def fit_to_shapes(shapes, shardings):
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
-  """Sharding of a [batch, length] token array."""
-  return NamedSharding(mesh, to_mesh_spec(('batch', 'length'), rules))
+  """Sharding of a [batch, length] token array: rows split over the data-parallel axes, each row
+  whole (under context parallelism the model puts it in zigzag order before splitting it)."""
+  return NamedSharding(mesh, to_mesh_spec(('batch', None), rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
