@@ -113,7 +113,7 @@ UPDATE_SLICES = 16          # optim/adam8bit.py: a quantized moment is updated a
 class StepShape:
   rows_per_device: int   # sequences in one microbatch on one device
   seq_len: int
-  fsdp: int = 1          # size of the mesh's fsdp axis
+  fsdp: int = 1          # ways ZeRO splits the state: the mesh's fsdp x context axes
   tensor: int = 1        # size of the mesh's tensor axis
   zero_stage: int = 0
   microbatches: int = 1
@@ -126,6 +126,7 @@ class StepShape:
   schedule: str = 'gpipe'   # parallel.pipeline_schedule: 1f1b ones run the backward in the loop
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
+  context: int = 1       # size of the mesh's context axis: shards of each sequence
 
   @property
   def backward_in_loop(self) -> bool:
@@ -149,7 +150,12 @@ class StepShape:
   @property
   def tokens(self) -> int:
     """Tokens one device runs through the model per microbatch."""
-    return self.rows_per_device * self.seq_len
+    return self.rows_per_device * self.local_len
+
+  @property
+  def local_len(self) -> int:
+    """Positions of a sequence on one device (its context shard's)."""
+    return self.seq_len // self.context
 
   @property
   def gathers_params(self) -> bool:
@@ -237,9 +243,29 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
     return copies * heads * shape.seq_len * FP32
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
-  block = min(flash_block(shape.backend), shape.seq_len)
+  block = (context_block(shape) if shape.context > 1
+           else min(flash_block(shape.backend), shape.seq_len))
   per_row_block = 3 * heads * block * block * FP32
-  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + per_row_block / shape.seq_len
+  return (q + 2 * kv) * FP32 + q * c + heads * FP32 + per_row_block / shape.local_len
+
+
+def context_block(shape: StepShape) -> int:
+  """The flash block of the context-parallel attention (models/context.py:block_size)."""
+  return math.gcd(shape.seq_len // (2 * shape.context), flash_block(shape.backend))
+
+
+def context_collective_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict:
+  """Bytes per device per step that the context-parallel attention moves (models/context.py),
+  counted as parallel/collectives.py counts them: the gathered keys and values of every layer's
+  forward pass (and again where remat recomputes it), and the reduce-scatter of their gradients
+  in the backward pass, each the whole sequence's [rows, length, kv_heads / tensor, head_dim]."""
+  if shape.context == 1:
+    return {'all-gather': 0.0, 'reduce-scatter': 0.0}
+  pair = 2 * shape.rows_per_device * shape.seq_len * cfg.num_kv_heads * cfg.head_dim / shape.tensor
+  passes = 1 if cfg.remat == 'none' else 2
+  layers = cfg.num_layers * shape.microbatches
+  return {'all-gather': passes * layers * pair * policy.compute_bytes,
+          'reduce-scatter': layers * pair * policy.compute_bytes}
 
 
 def _vocab_matrices(cfg: ModelConfig) -> int:
@@ -415,8 +441,19 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   # counted: compiled 0.1255 / 0.1080 GiB, estimate -4.2 / +3.2 % (jax 0.10.2 / 0.12.0.1); on 256
   # devices, where 768 divides, there is no padding and the estimate is -0.1 / +0.6 %.
   padding = 1.5 * (gathered(cfg, shape) - 1)
-  return {'activations': shape.tokens * (common + max(mlp_point, attention_point)),
+  return {'activations': shape.tokens * (common + max(mlp_point, attention_point))
+                         + context_kv_bytes(cfg, policy, shape),
           'weights': weights * weight_bytes * (1 + padding)}
+
+
+def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """The whole sequence's keys and values that the context-parallel attention gathers for a
+  layer's backward pass, and their fp32 gradients before the reduce-scatter (models/context.py)."""
+  if shape.context == 1:
+    return 0.0
+  c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
+  kv = cfg.num_kv_heads * cfg.head_dim / shape.tensor
+  return shape.rows_per_device * shape.seq_len * kv * 2 * (c + FP32)
 
 
 def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
@@ -525,7 +562,7 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   reduction = (hoisted + 4 * full_grads) * table
   # The fp32 logits and their gradient (and the compute-dtype gradient the head's matmul takes),
   # for the whole sequence, or with `model.loss_chunk` for one chunk of positions at a time.
-  chunked = 0 < cfg.loss_chunk < shape.seq_len
+  chunked = 0 < cfg.loss_chunk < shape.local_len
   logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
   # On XLA:CPU with bf16 compute the head's matmul takes an fp32 copy of the gradient (laid out
   # transposed) in place of the 16-bit one: two fp32 buffers either way (1b ZeRO-2 on 8 devices,
@@ -710,6 +747,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   one layer's optimizer state during the update, one layer's frozen base, one layer's block input
   on its way to host memory."""
   on_gpu = shape.backend != 'cpu'
+  if shape.context > 1:   # the context-parallel attention is the blockwise kernel (models/context.py)
+    cfg = dataclasses.replace(cfg, attention='flash')
   offloads_activations = cfg.remat in OFFLOADED_REMAT
   if offloads_activations:
     cfg = dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat])

@@ -184,7 +184,8 @@ def check(sweep: Sweep) -> None:
       shape = resolve_mesh_shape(config.mesh.to_dict(), devices)
       data_parallel = shape['data'] * shape['fsdp']
       checks.check_config(config, data_parallel=data_parallel, process_count=1,
-                          tokenizer_vocab=open_tokenizer(config.data.tokenizer).vocab_size)
+                          tokenizer_vocab=open_tokenizer(config.data.tokenizer).vocab_size,
+                          context=shape['context'])
       checks.pipeline_schedule(config, stages=shape['stage'], data_parallel=data_parallel)
     except errors as e:
       raise SweepError(f'point {point.name}: {e}') from None

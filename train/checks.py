@@ -87,9 +87,11 @@ def model_spec(config) -> ModelSpec:
   return ModelSpec(model, precision, config.train.seed, lora, None if base == 'none' else base)
 
 
-def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int) -> None:
+def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vocab: int,
+                 context: int = 1) -> None:
   """Shape checks that need to know how many ways the batch is split. `process_count`: the
-  processes that feed distinct rows (parallel/sharding.py:process_feed)."""
+  processes that feed distinct rows (parallel/sharding.py:process_feed); `context`: the shards of
+  each sequence (mesh.context)."""
   model, train = model_config(config), config.train
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
               'eval_tokens', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
@@ -121,6 +123,10 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   if train.seq_len > model.max_seq_len:
     raise ConfigError(f'train.seq_len={train.seq_len} is above the model maximum '
                       f'model.max_seq_len={model.max_seq_len}; use at most {model.max_seq_len}')
+  if train.seq_len % (2 * context):
+    raise ConfigError(f'train.seq_len={train.seq_len} does not split over mesh.context={context}: '
+                      f'each sequence is cut into 2 x {context} = {2 * context} equal chunks (two '
+                      f'per shard, models/context.py); use a multiple of {2 * context}')
   if model.vocab_size < tokenizer_vocab:
     raise ConfigError(f'model.vocab_size={model.vocab_size} is smaller than the tokenizer\'s '
                       f'{tokenizer_vocab} tokens; use at least {tokenizer_vocab}')

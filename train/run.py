@@ -94,7 +94,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   checks.check_config(config, data_parallel=data_parallel_size(mesh), process_count=feed[1],
-                      tokenizer_vocab=make_tokenizer(config).vocab_size)
+                      tokenizer_vocab=make_tokenizer(config).vocab_size,
+                      context=mesh.shape['context'])
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
   checks.offload(config, stages=mesh.shape['stage'])
@@ -242,21 +243,28 @@ def memory_report(s: Setup, compiled) -> dict:
   return report
 
 
+def step_shape(s: Setup, backend: str | None = None) -> StepShape:
+  """What the analytic model (memory/estimate.py) needs to know of this setup's step, on
+  `backend` (default: the platform of the mesh's devices)."""
+  train = s.config.train
+  rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
+  return StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'] * s.mesh.shape['context'],
+                   context=s.mesh.shape['context'], tensor=s.mesh.shape['tensor'],
+                   zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
+                   adam_bits=s.config.quant.adam_bits,
+                   adam_block_size=s.config.quant.adam_block_size,
+                   backend=backend or s.mesh.devices.flat[0].platform,
+                   offload_optimizer=s.config.parallel.get('offload_optimizer', False),
+                   offload_frozen=s.config.parallel.get('offload_frozen', False),
+                   **({} if s.pipeline is None else dict(
+                       stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
+                       repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
+
+
 def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:
   """The analytic model's bytes per device (memory/estimate.py) for this setup's step, on
   `backend` (default: the platform of the mesh's devices): (in device memory, in host memory)."""
-  train = s.config.train
-  rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
-  shape = StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'], tensor=s.mesh.shape['tensor'],
-                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
-                    adam_bits=s.config.quant.adam_bits,
-                    adam_block_size=s.config.quant.adam_block_size,
-                    backend=backend or s.mesh.devices.flat[0].platform,
-                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
-                    offload_frozen=s.config.parallel.get('offload_frozen', False),
-                    **({} if s.pipeline is None else dict(
-                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
-                        repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
+  shape = step_shape(s, backend)
   trainable, base = s.spec.sizes()
   frozen = (Frozen(trainable, base, quantized=s.spec.base_format is not None)
             if 'frozen' in s.layout.abstract else None)

@@ -69,6 +69,9 @@ def print_summary(s, memory: dict) -> None:
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives per step per device: ' + ('; '.join(
       f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
-  if s.config.parallel.zero_stage and s.mesh.shape['fsdp'] == 1:
-    print(f'note        zero_stage {s.config.parallel.zero_stage} shards over the fsdp axis, which '
-          f'has size 1 here: nothing is sharded (set --config.mesh.fsdp)')
+  if s.config.parallel.zero_stage and s.mesh.shape['fsdp'] * s.mesh.shape['context'] == 1:
+    print(f'note        zero_stage {s.config.parallel.zero_stage} shards over the fsdp and context '
+          f'axes, which have size 1 here: nothing is sharded (set --config.mesh.fsdp)')
+  if s.mesh.shape['context'] > 1:
+    print(f'note        mesh.context={s.mesh.shape["context"]}: attention is the context-parallel '
+          f'blockwise kernel (models/context.py) whatever model.attention says')

@@ -1,0 +1,107 @@
+"""Context parallelism against sequence length: compiled per-device memory (total and temp) beside
+the analytic estimate, and the collectives of a step. Nothing is allocated.
+
+  python -m bench.context                       # README's table: 7b, 32k/64k/128k x context 1-8
+  python -m bench.context --seq_lens=8192 --contexts=1,2 --preset=1b
+
+For each length and context size C the mesh is C context x (devices / C) fsdp under ZeRO-3, with
+one sequence per fsdp group (batch devices / C), remat full and a 4096-position loss chunk: every
+point runs the same tokens per device pair of (fsdp, context) rows. The key/value traffic of the
+context-parallel attention (all-gathers of [rows, length, kv_heads, head_dim] and the
+reduce-scatters of their gradients) is read from the program as the SPMD partitioner leaves it
+(the dtype the step asks for, bf16 here, as a GPU moves it; XLA:CPU's optimised program gathers
+fp32 copies) beside the estimate's `context_collective_bytes`.
+"""
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+from absl import app, flags, logging
+
+_SEQ = flags.DEFINE_list('seq_lens', ['32768', '65536', '131072'], 'Sequence lengths.')
+_CONTEXTS = flags.DEFINE_list('contexts', ['1', '2', '4', '8'], 'Context-axis sizes.')
+_PRESET = flags.DEFINE_string('preset', '7b', 'Model preset.')
+_DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
+_OUT = flags.DEFINE_string('out', 'bench/results/context_7b.json', 'Where the rows are written.')
+
+
+def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int) -> dict[str, dict[str, int]]:
+  """The partitioned program's collectives whose array has a whole sequence's length next to the
+  batch (the gathered keys and values, their gradients before the reduce-scatter)."""
+  from parallel.collectives import collective_stats
+  # An all-gather's result is the whole sequence; a reduce-scatter's the shard's (its operand's
+  # shape is not written on its line).
+  kv_shape = re.compile(rf'\[\d+,({seq_len}|{seq_len // context}),\d+,\d+\]')
+  with tempfile.TemporaryDirectory() as folder:
+    lowered.compile(compiler_options={'xla_dump_to': folder,
+                                      'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+    with open(sorted(glob.glob(os.path.join(folder, '*after_spmd-partitioning*.txt')))[-1]) as f:
+      lines = f.read().splitlines()
+  kept = [line for line in lines
+          if not (op := re.search(r'(all-gather|reduce-scatter|all-reduce|all-to-all|'
+                                  r'collective-permute)(-start)?\(', line))
+          or (kv_shape.search(line.split('=', 1)[-1])
+              and (op.group(1) == 'reduce-scatter') == (f',{seq_len},' not in line))]
+  return collective_stats('\n'.join(kept), num_devices)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax
+  jax.config.update('jax_num_cpu_devices', _DEVICES.value)
+  from configs import default
+  from configs.layouts import layout_config
+  from memory.estimate import context_collective_bytes
+  from train import run
+  GiB = 2.0 ** 30
+
+  rows = []
+  print('| tokens | context | compiled GiB/device | temp GiB | estimate GiB (error) '
+        '| all-gather GiB | reduce-scatter GiB | KV all-gather GiB: partitioned, estimate '
+        '| KV reduce-scatter GiB: partitioned, estimate |')
+  print('|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+  for seq_len in map(int, _SEQ.value):
+    for context in map(int, _CONTEXTS.value):
+      config = layout_config('fsdp', _PRESET.value)
+      fsdp = _DEVICES.value // context
+      for key, value in {'mesh.fsdp': fsdp, 'mesh.context': context, 'mesh.data': 1,
+                         'train.seq_len': seq_len, 'model.max_seq_len': seq_len,
+                         'train.batch_size': fsdp, 'train.microbatches': 1,
+                         'model.remat': 'full', 'model.loss_chunk': 4096}.items():
+        default.override(config, key, value)
+      s = run.setup(config)
+      lowered = run.lower_train_step(s)
+      with s.context():
+        compiled = lowered.compile()
+        kv = _kv_collectives(lowered, s.mesh.size, seq_len, context) if context > 1 else None
+      memory = run.memory_report(s, compiled)
+      shape = run.step_shape(s)
+      kv_estimate = context_collective_bytes(s.spec.config, s.spec.policy, shape)
+      collectives = memory['collectives_per_step']
+      row = {'seq_len': seq_len, 'context': context, 'mesh': memory['mesh'],
+             'compiled_bytes': memory['per_device_bytes']['total'],
+             'temp_bytes': memory['per_device_bytes']['temp'],
+             'estimate_bytes': memory['estimate_bytes']['total'],
+             'estimate_parts': memory['estimate_bytes'],
+             'collectives': collectives, 'kv_collectives': kv, 'kv_estimate': kv_estimate}
+      rows.append(row)
+      error = row['estimate_bytes'] / row['compiled_bytes'] - 1
+      pair = lambda kind: ('-' if kv is None else
+                           f'{kv[kind]["bytes"] / GiB:.2f}, {kv_estimate[kind] / GiB:.2f}')
+      print(f'| {seq_len} | {context} | {row["compiled_bytes"] / GiB:.2f} '
+            f'| {row["temp_bytes"] / GiB:.2f} | {row["estimate_bytes"] / GiB:.2f} ({error:+.1%}) '
+            f'| {collectives["all-gather"]["bytes"] / GiB:.1f} '
+            f'| {collectives["reduce-scatter"]["bytes"] / GiB:.1f} '
+            f'| {pair("all-gather")} | {pair("reduce-scatter")} |')
+      sys.stdout.flush()
+  with open(_OUT.value, 'w', encoding='utf-8') as f:
+    json.dump({'jax': jax.__version__, 'preset': _PRESET.value, 'rows': rows}, f, indent=1)
+    f.write('\n')
+
+
+if __name__ == '__main__':
+  app.run(main)
