@@ -232,6 +232,7 @@ def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
   key blocks j and later; each block's probabilities are rebuilt from the saved log-sum-exp (no
   [t, t] block is kept)."""
   nq, block = qb.shape[0], qb.shape[-2]
+  whole = nq == kb.shape[0]   # a whole sequence: at = 0..n-1
   dtype = qb.dtype
   # D_i = rowsum(dO * O): the softmax's backward without the probabilities of the whole row.
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -242,7 +243,7 @@ def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
     def query_block(m, carry):
       dq, dk, dv = carry
       qi, d_out_i = qb[m], d_out[m]
-      s = _scores(qi, kj, at[m], j, block, None if qsb is None else qsb[m], sj)
+      s = _scores(qi, kj, m if whole else at[m], j, block, None if qsb is None else qsb[m], sj)
       p = jnp.exp(s - lse[m][..., None])
       dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
       dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
@@ -255,7 +256,7 @@ def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
 
     zeros = jnp.zeros(kj.shape, jnp.float32)
     # The first query block that sees key block j (`at` ascending); on a whole sequence, j.
-    first = j if nq == kb.shape[0] else jnp.sum(at < j)
+    first = j if whole else jnp.sum(at < j)
     dq, dk, dv = _loop(first, nq, query_block, (dq, zeros, zeros), nq)
     return dq, (dk, dv)
 
@@ -273,12 +274,17 @@ def _flash_blocked(qb, kb, vb, qsb, ksb, at):
 
 def _flash_blocked_fwd(qb, kb, vb, qsb, ksb, at):
   out, lse = _flash_forward(qb, kb, vb, qsb, ksb, at)
-  return out, (qb, kb, vb, qsb, ksb, at, out, lse)
+  # On a whole sequence (as many query blocks as key blocks) `at` is 0..n-1 and is not kept.
+  kept_at = None if qb.shape[0] == kb.shape[0] else at
+  return out, (qb, kb, vb, qsb, ksb, kept_at, out, lse)
 
 
 def _flash_blocked_bwd(residuals, d_out):
-  no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
-  return (*_flash_backward(*residuals, d_out), *map(no_grad, residuals[3:6]))
+  no_grad = lambda shape: np.zeros(shape, jax.dtypes.float0)
+  qsb, ksb = residuals[3:5]
+  return (*_flash_backward(*residuals, d_out),
+          *(None if x is None else no_grad(x.shape) for x in (qsb, ksb)),
+          no_grad(residuals[0].shape[:1]))
 
 
 _flash_blocked.defvjp(_flash_blocked_fwd, _flash_blocked_bwd)

@@ -29,6 +29,11 @@ printed with every plan.
   per-microbatch collectives once per loop iteration; and the collective-permutes of the
   activation (forward) and its gradient (backward) at every iteration, over the network between
   nodes, not overlapped.
+- Context shards (offered within a node, `mesh.context`): each layer's keys and values all-gathered
+  for its forward pass (and again where remat replays it) and their gradients reduce-scattered,
+  over NVLink, not overlapped (the attention waits for them); the data-parallel collectives run
+  over the data-parallel devices and the context shards together (they share one copy of the
+  model), and each device runs 1/context of every sequence.
 """
 import dataclasses
 
@@ -54,11 +59,12 @@ class Recipe:
   pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
   offload: bool = False            # the optimizer's state in host memory
   schedule: str = 'gpipe'          # with stages: gpipe, or 1f1b (parallel/pipeline_1f1b.py)
+  context: int = 1                 # shards of each sequence (models/context.py), within a node
 
   def mesh(self, devices: int) -> dict:
-    ways = devices // (self.tensor * self.stages)
-    return (dict(stage=self.stages, data=ways, fsdp=1, tensor=self.tensor) if self.zero_stage == 0
-            else dict(stage=self.stages, data=1, fsdp=ways, tensor=self.tensor))
+    ways = devices // (self.tensor * self.stages * self.context)
+    split = dict(data=ways, fsdp=1) if self.zero_stage == 0 else dict(data=1, fsdp=ways)
+    return dict(stage=self.stages, **split, context=self.context, tensor=self.tensor)
 
   @property
   def pipeline_iterations(self) -> int:
@@ -68,9 +74,10 @@ class Recipe:
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
                 f'({self.schedule})' if self.stages > 1 else '')
     offload = ', optimizer state in host memory' if self.offload else ''
+    context = f', context {self.context}' if self.context > 1 else ''
     return (f'{self.precision}, Adam {self.adam_bits}-bit, ZeRO-{self.zero_stage}, '
-            f'tensor {self.tensor}, remat {self.remat}, {self.microbatches} microbatch(es)'
-            f'{pipeline}{offload}')
+            f'tensor {self.tensor}{context}, remat {self.remat}, {self.microbatches} '
+            f'microbatch(es){pipeline}{offload}')
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
@@ -80,7 +87,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   no weight gradients; the optimizer and the collectives are still sized as full training, an
   over-estimate that is small beside the compute on one node)."""
   param_bytes, compute_bytes = policy.param_bytes, policy.compute_bytes
-  n, t, P = target.count, recipe.tensor, recipe.stages
+  n, t, P, c = target.count, recipe.tensor, recipe.stages, recipe.context
+  # The devices that share one copy of the model: the data-parallel ones and the context shards.
   dp = n // (t * P)
   tokens = batch * seq_len
   # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M.
@@ -106,8 +114,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link
 
-  rows = batch // (dp * recipe.microbatches * recipe.pipeline_microbatches)
-  activation = rows * seq_len * cfg.d_model * compute_bytes
+  rows = batch // (dp // c * recipe.microbatches * recipe.pipeline_microbatches)
+  activation = rows * seq_len // c * cfg.d_model * compute_bytes
   all_reduces = cfg.num_layers / P * m * (6 if recipe.remat == 'full' else 4)
   tp_bytes = all_reduces * 2 * (t - 1) / t * activation if t > 1 else 0.0
   tp_comm = tp_bytes / target.intra_node
@@ -116,6 +124,12 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   permute_link = target.inter_node if n // P >= target.per_node else target.intra_node
   pipeline_bytes = 2 * m * activation / t if P > 1 else 0.0
   pipeline_comm = pipeline_bytes / permute_link
+  # Context shards gather every layer's keys and values (again under remat) and reduce-scatter
+  # their gradients: in front of the attention that needs them, so on the critical path.
+  kv = 2 * rows * seq_len * cfg.num_kv_heads * cfg.head_dim / t * compute_bytes
+  passes = (2 if recipe.remat != 'none' else 1) + 1
+  context_bytes = cfg.num_layers / P * m * passes * (c - 1) / c * kv if c > 1 else 0.0
+  context_comm = context_bytes / target.intra_node
 
   sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
   touched = sharded * (3 * param_bytes + 2 * policy.master_bytes
@@ -124,10 +138,12 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # An offloaded state comes over from host memory and goes back, every step.
   host_bytes = 2 * sharded * (2 * policy.moment_bytes + policy.master_bytes) if recipe.offload else 0
   host_transfer = host_bytes / target.host_link
-  total = max(compute, dp_comm) + tp_comm + pipeline_comm + optimizer + host_transfer
+  total = (max(compute, dp_comm) + tp_comm + pipeline_comm + context_comm + optimizer
+           + host_transfer)
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,
-          'pipeline_comm': pipeline_comm, 'optimizer': optimizer, 'host_transfer': host_transfer,
-          'total': total, 'host_bytes': host_bytes,
+          'pipeline_comm': pipeline_comm, 'context_comm': context_comm, 'optimizer': optimizer,
+          'host_transfer': host_transfer, 'total': total, 'host_bytes': host_bytes,
           # and the bytes behind the comm terms, per device per step
           'data_parallel_bytes': dp_bytes,
-          'tensor_bytes': tp_bytes, 'pipeline_bytes': pipeline_bytes}
+          'tensor_bytes': tp_bytes, 'pipeline_bytes': pipeline_bytes,
+          'context_bytes': context_bytes}

@@ -73,8 +73,9 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
                         log=lambda line: print(f'            {line}', flush=True), stages=stages,
                         allow_pure_bf16=allow_pure_bf16)
   print(f'\n| rank | recipe | estimate per device | host memory per node | step time (estimate) | '
-        f'compute | DP comm | TP comm | pipeline comm | host transfer | compiled per device |')
-  print('|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+        f'compute | DP comm | TP comm | pipeline comm | context comm | host transfer '
+        f'| compiled per device |')
+  print('|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for i, c in enumerate(ranked[:TOP], 1):
     s = c.seconds
     compiled = (_gb(c.compiled) if isinstance(c.compiled, (int, float)) else
@@ -82,7 +83,8 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
     host = c.host.get('total', 0) * min(target.count, target.per_node)
     print(f'| {i} | {c.recipe} | {_gb(c.device_bytes)} | {_gb(host)} | {s["total"]:.2f} s | '
           f'{s["compute"]:.2f} s | {s["data_parallel_comm"]:.2f} s | {s["tensor_comm"]:.2f} s | '
-          f'{s["pipeline_comm"]:.2f} s | {s["host_transfer"]:.2f} s | {compiled} |')
+          f'{s["pipeline_comm"]:.2f} s | {s["context_comm"]:.2f} s | {s["host_transfer"]:.2f} s '
+          f'| {compiled} |')
   tokens = config.train.batch_size * config.train.seq_len
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, 'planned_config.py')

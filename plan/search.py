@@ -1,7 +1,8 @@
 """The planner: every recipe the target can run, the ones the analytic model says fit, ranked by
 estimated step time, the fastest verified by compiling its train step on simulated devices.
 
-A recipe is precision x Adam bits x ZeRO stage x tensor degree x remat x microbatches, and on
+A recipe is precision x Adam bits x ZeRO stage x tensor degree x context shards (long sequences)
+x remat x microbatches, and on
 targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe or 1F1B,
 plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
@@ -33,6 +34,7 @@ PRECISIONS = ('bf16_master', 'bf16_mixed', 'bf16')
 ADAM_BITS = (32, 8)
 REMATS = ('none', 'dots', 'full')
 MAX_COMPILES = 6
+CONTEXT_MIN_CHUNK = 512   # positions per zigzag chunk: one GPU flash block
 
 
 class PlanError(ValueError):
@@ -82,17 +84,23 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
   cfg, n, batch = checks.model_config(config), target.count, config.train.batch_size
   stage_counts = [p for p in _divisors(n) if p == 1 or (
       stages and n > target.per_node and p <= n // target.per_node and cfg.num_layers % p == 0)]
+  seq_len = config.train.seq_len
   found = []
-  for p, t in itertools.product(stage_counts, _divisors(n)):
-    if n % (p * t) or t > target.per_node or any(size % t for size in (
+  for p, t, c in itertools.product(stage_counts, _divisors(n), _divisors(n)):
+    if n % (p * t * c) or t * c > target.per_node or any(size % t for size in (
         cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.mlp_dim)):
       continue
-    dp = n // (p * t)
+    # Context shards (models/context.py) within a node, each holding two chunks of a sequence
+    # that the flash blocks divide: worth their key/value traffic only at long sequences, which
+    # the step-time model weighs against the memory they save.
+    if c > 1 and (seq_len % (2 * c) or seq_len // (2 * c) < CONTEXT_MIN_CHUNK):
+      continue
+    dp = n // (p * t * c)
     if batch % dp:
       continue
     for stage, m, precision, bits, remat in itertools.product(
         range(4), _divisors(batch // dp), PRECISIONS, ADAM_BITS, REMATS):
-      if stage and dp == 1:                        # nothing to shard over: the same as ZeRO-0
+      if stage and dp * c == 1:                    # nothing to shard over: the same as ZeRO-0
         continue
       if bits == 8 and t > 1:   # 8-bit moments are flattened into blocks, which tensor parallelism
         continue                # would reshard every step (all-to-all); not offered until fixed
@@ -102,21 +110,24 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       # rows, under GPipe or 1F1B (same bubble; 1F1B keeps less, recomputes more).
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
         for schedule in ['gpipe'] if p == 1 else ['gpipe', '1f1b']:
-          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule))
+          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule,
+                              context=c))
         # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and no
         # pipeline (train/checks.py:offload).
         if bits == 32 and p == 1:
-          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, offload=True))
+          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, offload=True,
+                              context=c))
   return found
 
 
 def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
   cfg = checks.model_config(config)
   policy = get_policy(recipe.precision)
-  dp = target.count // (recipe.tensor * recipe.stages)
+  dp = target.count // (recipe.tensor * recipe.stages * recipe.context)
   shape = StepShape(rows_per_device=config.train.batch_size // (dp * recipe.microbatches),
-                    seq_len=config.train.seq_len, fsdp=1 if recipe.zero_stage == 0 else dp,
-                    tensor=recipe.tensor, zero_stage=recipe.zero_stage,
+                    seq_len=config.train.seq_len,
+                    fsdp=1 if recipe.zero_stage == 0 else dp * recipe.context,
+                    context=recipe.context, tensor=recipe.tensor, zero_stage=recipe.zero_stage,
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule)

@@ -38,9 +38,26 @@ def test_a_model_too_large_for_any_recipe_says_by_how_much():
 def test_recipes_respect_the_mesh_and_the_batch():
   config = default.get_config('7b')      # batch 32, 32 heads
   found = recipes(config, parse_target('8xH100-80GB'))
-  assert found and all(8 % r.tensor == 0 and 32 % (8 // r.tensor * r.microbatches) == 0
-                       for r in found)
+  assert found and all(8 % (r.tensor * r.context) == 0
+                       and 32 % (8 // (r.tensor * r.context) * r.microbatches) == 0 for r in found)
   assert not any(r.adam_bits == 8 and r.tensor > 1 for r in found)
+  # Context shards within the node, each holding two chunks of at least one GPU flash block.
+  assert {r.context for r in found} == {1, 2, 4}   # 4096 tokens: chunks of 2048, 1024, 512
+
+
+def test_long_sequences_fit_only_split_over_context_shards():
+  """7b at 128k tokens on one node: every recipe that fits by the estimate splits the sequence;
+  the context comm is priced where it is, and nowhere else."""
+  config = default.get_config('7b')
+  config.train.seq_len = config.model.max_seq_len = 131072
+  config.train.batch_size = 8
+  target = parse_target('8xH100-80GB')
+  candidates = [evaluate(config, r, target) for r in recipes(config, target)]
+  budget = target.memory * (1 - MARGIN)
+  fitting = [c for c in candidates if c.device_bytes <= budget]
+  assert fitting and all(c.recipe.context > 1 for c in fitting)
+  assert any(c.recipe.context == 1 for c in candidates)
+  assert all((c.seconds['context_comm'] > 0) == (c.recipe.context > 1) for c in candidates)
 
 
 def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
