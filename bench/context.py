@@ -3,6 +3,7 @@ the analytic estimate, and the collectives of a step. Nothing is allocated.
 
   python -m bench.context                       # README's table: 7b, 32k/64k/128k x context 1-8
   python -m bench.context --seq_lens=8192 --contexts=1,2 --preset=1b
+  python -m bench.context --compose   # every precision / quant mode / LoRA over context shards
 
 For each length and context size C the mesh is C context x (devices / C) fsdp under ZeRO-3, with
 one sequence per fsdp group (batch devices / C), remat full and a 4096-position loss chunk: every
@@ -14,6 +15,7 @@ fp32 copies) beside the estimate's `context_collective_bytes`.
 """
 import glob
 import json
+import math
 import os
 import re
 import sys
@@ -26,6 +28,32 @@ _CONTEXTS = flags.DEFINE_list('contexts', ['1', '2', '4', '8'], 'Context-axis si
 _PRESET = flags.DEFINE_string('preset', '7b', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
 _OUT = flags.DEFINE_string('out', 'bench/results/context_7b.json', 'Where the rows are written.')
+_COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
+                             'and LoRA variant (bench/pipeline.py:VARIANTS) over 2 context x 2 '
+                             'fsdp x 2 tensor devices (ZeRO-3, packed rows) and on one device.')
+
+
+def compose() -> None:
+  import jax
+  from bench.compose import VARIANTS, losses
+  from configs import default
+  from configs.layouts import layout_config
+  print('| variant | context x fsdp x tensor losses (2 steps) | one device | largest relative '
+        'difference |')
+  print('|---|---|---|---:|')
+  for name, overrides in VARIANTS.items():
+    runs = []
+    for mesh in (dict(stage=1, data=1, fsdp=2, context=2, tensor=2),
+                 dict(stage=1, data=1, fsdp=1, context=1, tensor=1)):
+      config = layout_config('fsdp', 'tiny')
+      for key, value in {'train.seq_len': 64, 'train.batch_size': 4, 'mesh': mesh,
+                         **overrides}.items():
+        default.override(config, key, value)
+      runs.append(losses(config, jax.devices()[:math.prod(mesh.values())], packed=True))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
+    print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
+          f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
+    sys.stdout.flush()
 
 
 def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int) -> dict[str, dict[str, int]]:
@@ -58,6 +86,8 @@ def main(argv):
   from memory.estimate import context_collective_bytes
   from train import run
   GiB = 2.0 ** 30
+  if _COMPOSE.value:
+    return compose()
 
   rows = []
   print('| tokens | context | compiled GiB/device | temp GiB | estimate GiB (error) '

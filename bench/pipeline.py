@@ -33,41 +33,9 @@ _OUT = flags.DEFINE_string('out', 'bench/results/pipeline.json', 'Where the rows
 _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
                              'and LoRA variant through the pipeline layout and on one device.')
 
-# What --compose runs through configs/pipeline.py:tiny (8 layers) and on one device.
-VARIANTS = {
-    'fp32': {},
-    'bf16_mixed, remat full': {'precision': 'bf16_mixed', 'model.remat': 'full'},
-    'fp16 (loss scaling)': {'precision': 'fp16'},
-    'int8': {'precision': 'bf16_mixed', 'quant.mode': 'int8'},
-    'int4, learned scales': {'precision': 'bf16_mixed', 'quant.mode': 'int4',
-                             'quant.learned_scale': True},
-    'fp8 (current scaling)': {'precision': 'bf16_mixed', 'quant.mode': 'fp8'},
-    'Adam 8-bit': {'quant.adam_bits': 8},
-    'LoRA': {'lora.rank': 4},
-    'LoRA, dropout 0.1': {'lora.rank': 4, 'lora.dropout': 0.1},
-    'QLoRA (nf4 base)': {'precision': 'bf16_mixed', 'lora.rank': 4, 'quant.weights': 'nf4'},
-}
-
-
-def _losses(config, devices, steps: int = 2) -> list[float]:
-  import jax
-  import numpy as np
-  from train import run
-  s = run.setup(config, devices)
-  state, out = s.layout.init(), []
-  for i in range(steps):
-    tokens = np.random.default_rng(i).integers(0, 256, (config.train.batch_size,
-                                                          config.train.seq_len + 1), np.int32)
-    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:]}
-    with s.context():
-      state, metrics = s.train_step(state, {k: jax.device_put(v, s.batch_sharding)
-                                            for k, v in batch.items()})
-    out.append(float(metrics['loss']))
-  return out
-
-
 def compose() -> None:
   import jax
+  from bench.compose import VARIANTS, losses
   from configs import default
   from configs.layouts import layout_config
   print('| variant | pipeline losses (2 steps) | one device | largest relative difference |')
@@ -83,7 +51,7 @@ def compose() -> None:
                          **overrides,
                          **({'mesh': mesh, 'parallel.zero_stage': 0} if mesh else {})}.items():
         default.override(config, key, value)
-      runs.append(_losses(config, None if mesh is None else jax.devices()[:1]))
+      runs.append(losses(config, None if mesh is None else jax.devices()[:1]))
     worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
     print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
           f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
