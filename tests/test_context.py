@@ -16,6 +16,7 @@ from parallel.rules import ACTIVATIONS, to_mesh_spec
 from tests.helpers import reordered_rtol
 from tests.test_pipeline import config, train
 from train import checks, run
+from train.checkpoint import Checkpointer
 
 
 @pytest.mark.parametrize('length,shards', [(16, 2), (32, 4), (24, 3)])
@@ -125,3 +126,23 @@ def test_a_length_the_context_axis_does_not_split_is_refused_in_one_line():
   message = str(refused.value)
   assert '\n' not in message
   assert 'train.seq_len=36' in message and 'mesh.context=4' in message and 'multiple of 8' in message
+
+
+def test_a_checkpoint_moves_from_context_shards_to_one_device(tmp_path):
+  """The state sharded over fsdp x context (ZeRO-3), d_model 68 stored padded to 72 over the 8
+  devices, restores on one device as the same seed's weights, whole and unpadded."""
+  shape = {'model.d_model': 68, 'model.num_heads': 2, 'model.num_kv_heads': 2}
+  split = run.setup(config(8, **SHAPE, **shape, **LAYOUTS['context4-fsdp2-zero3']))
+  single = run.setup(config(8, **SHAPE, **shape, **ONE_DEVICE), jax.devices()[:1])
+  state = split.layout.init()
+  stored = jax.tree.leaves(state['params'])
+  assert any(72 in leaf.shape for leaf in stored) and not any(68 in leaf.shape for leaf in stored)
+  checkpoints = Checkpointer(str(tmp_path / 'c'), keep=1)
+  checkpoints.save(1, state, {'step': 1}, run.checkpoint_meta(split))
+  checkpoints.wait()
+  checkpoints.check_compatible(1, single.layout.abstract, run.checkpoint_meta(single))
+  restored = checkpoints.restore_newest(single.layout.abstract, unpadded=single.layout.unpadded)
+  checkpoints.close()
+  want = jax.device_get(single.layout.init()['params'])
+  for a, b in zip(jax.tree.leaves(jax.device_get(restored.state['params'])), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)

@@ -1,5 +1,6 @@
-"""Two processes on 127.0.0.1 (4 simulated CPU devices each) train as one 8-device ZeRO-3 job, and
-as one pipeline whose stages span both; one of them killed, the other stops in bounded time."""
+"""Two processes on 127.0.0.1 (4 simulated CPU devices each) train as one 8-device ZeRO-3 job, as
+one pipeline whose stages span both, and with each sequence split across both; one of them
+killed, the other stops in bounded time."""
 import json
 import os
 import signal
@@ -108,6 +109,27 @@ def test_pipeline_stages_spanning_two_processes_match_the_single_process_run(run
   for p, (out, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-3000:]
   assert 'pipeline    gpipe: 2 stages' in outputs[0][0]
+  assert len(losses(tmp_path / 'two')) == STEPS
+  np.testing.assert_allclose(losses(tmp_path / 'two'), losses(single), rtol=1e-5)
+
+
+def test_a_context_axis_spanning_two_processes_matches_the_single_process_run(runs, tmp_path):
+  """Each sequence split over all 8 devices (mesh.context=8: 4 shards per process), the state
+  sharded over them (ZeRO-3); both processes feed the same rows. Keys and values are all-gathered
+  across the processes in every layer. The same model, data and seed as the fixture's run."""
+  single, _, _ = runs
+  args = main_args(tmp_path / 'two', small_corpus(tmp_path)) + [
+      '--config.mesh.fsdp=1', '--config.mesh.context=8', f'--config.train.eval_every={STEPS}',
+      '--config.train.eval_tokens=512']
+  port = free_port()
+  procs = [subprocess.Popen(args + [
+      '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+  assert "'context': 8" in outputs[0][0]
   assert len(losses(tmp_path / 'two')) == STEPS
   np.testing.assert_allclose(losses(tmp_path / 'two'), losses(single), rtol=1e-5)
 
