@@ -2,6 +2,7 @@
 the analytic estimate, and the collectives of a step. Nothing is allocated.
 
   python -m bench.context                       # README's table: 7b, 32k/64k/128k x context 1-8
+  python -m bench.context --context_attention=ring --contexts=2,4,8   # the same with a ring
   python -m bench.context --seq_lens=8192 --contexts=1,2 --preset=1b
   python -m bench.context --compose   # every precision / quant mode / LoRA over context shards
 
@@ -27,7 +28,10 @@ _SEQ = flags.DEFINE_list('seq_lens', ['32768', '65536', '131072'], 'Sequence len
 _CONTEXTS = flags.DEFINE_list('contexts', ['1', '2', '4', '8'], 'Context-axis sizes.')
 _PRESET = flags.DEFINE_string('preset', '7b', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
-_OUT = flags.DEFINE_string('out', 'bench/results/context_7b.json', 'Where the rows are written.')
+_METHOD = flags.DEFINE_enum('context_attention', 'gather', ['gather', 'ring'],
+                           'model.context_attention: all-gathered keys and values, or a ring.')
+_OUT = flags.DEFINE_string('out', None, 'Where the rows are written (default '
+                           'bench/results/context_7b.json, context_7b_ring.json with a ring).')
 _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
                              'and LoRA variant (bench/pipeline.py:VARIANTS) over 2 context x 2 '
                              'fsdp x 2 tensor devices (ZeRO-3, packed rows) and on one device.')
@@ -56,9 +60,11 @@ def compose() -> None:
     sys.stdout.flush()
 
 
-def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int) -> dict[str, dict[str, int]]:
-  """The partitioned program's collectives whose array has a whole sequence's length next to the
-  batch (the gathered keys and values, their gradients before the reduce-scatter)."""
+def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int,
+                    ring: bool) -> dict[str, dict[str, int]]:
+  """The partitioned program's collectives that move keys and values: whose array has a whole
+  sequence's length next to the batch (the gathered keys and values, their gradients before the
+  reduce-scatter), or with a ring every collective-permute (the step has no other)."""
   from parallel.collectives import collective_stats
   # An all-gather's result is the whole sequence; a reduce-scatter's the shard's (its operand's
   # shape is not written on its line).
@@ -68,6 +74,10 @@ def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int) -> di
                                       'xla_dump_hlo_pass_re': 'spmd-partitioning'})
     with open(sorted(glob.glob(os.path.join(folder, '*after_spmd-partitioning*.txt')))[-1]) as f:
       lines = f.read().splitlines()
+  if ring:
+    return collective_stats('\n'.join(
+        line for line in lines if not re.search(r'(all-gather|reduce-scatter|all-reduce|all-to-all)'
+                                                r'(-start)?\(', line)), num_devices)
   kept = [line for line in lines
           if not (op := re.search(r'(all-gather|reduce-scatter|all-reduce|all-to-all|'
                                   r'collective-permute)(-start)?\(', line))
@@ -89,11 +99,14 @@ def main(argv):
   if _COMPOSE.value:
     return compose()
 
+  ring = _METHOD.value == 'ring'
+  out = _OUT.value or f'bench/results/context_7b{"_ring" if ring else ""}.json'
+  kinds = ['collective-permute'] if ring else ['all-gather', 'reduce-scatter']
   rows = []
   print('| tokens | context | compiled GiB/device | temp GiB | estimate GiB (error) '
-        '| all-gather GiB | reduce-scatter GiB | KV all-gather GiB: partitioned, estimate '
-        '| KV reduce-scatter GiB: partitioned, estimate |')
-  print('|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
+        '| all-gather GiB | reduce-scatter GiB | '
+        + ' | '.join(f'KV {kind} GiB: partitioned, estimate' for kind in kinds) + ' |')
+  print('|---:|---:|---:|---:|---:|---:|---:|' + '---:|' * len(kinds))
   for seq_len in map(int, _SEQ.value):
     for context in map(int, _CONTEXTS.value):
       config = layout_config('fsdp', _PRESET.value)
@@ -101,13 +114,14 @@ def main(argv):
       for key, value in {'mesh.fsdp': fsdp, 'mesh.context': context, 'mesh.data': 1,
                          'train.seq_len': seq_len, 'model.max_seq_len': seq_len,
                          'train.batch_size': fsdp, 'train.microbatches': 1,
-                         'model.remat': 'full', 'model.loss_chunk': 4096}.items():
+                         'model.remat': 'full', 'model.loss_chunk': 4096,
+                         'model.context_attention': _METHOD.value}.items():
         default.override(config, key, value)
       s = run.setup(config)
       lowered = run.lower_train_step(s)
       with s.context():
         compiled = lowered.compile()
-        kv = _kv_collectives(lowered, s.mesh.size, seq_len, context) if context > 1 else None
+        kv = _kv_collectives(lowered, s.mesh.size, seq_len, context, ring) if context > 1 else None
       memory = run.memory_report(s, compiled)
       shape = run.step_shape(s)
       kv_estimate = context_collective_bytes(s.spec.config, s.spec.policy, shape)
@@ -125,11 +139,12 @@ def main(argv):
       print(f'| {seq_len} | {context} | {row["compiled_bytes"] / GiB:.2f} '
             f'| {row["temp_bytes"] / GiB:.2f} | {row["estimate_bytes"] / GiB:.2f} ({error:+.1%}) '
             f'| {collectives["all-gather"]["bytes"] / GiB:.1f} '
-            f'| {collectives["reduce-scatter"]["bytes"] / GiB:.1f} '
-            f'| {pair("all-gather")} | {pair("reduce-scatter")} |')
+            f'| {collectives["reduce-scatter"]["bytes"] / GiB:.1f} | '
+            + ' | '.join(pair(kind) for kind in kinds) + ' |')
       sys.stdout.flush()
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump({'jax': jax.__version__, 'preset': _PRESET.value, 'rows': rows}, f, indent=1)
+  with open(out, 'w', encoding='utf-8') as f:
+    json.dump({'jax': jax.__version__, 'preset': _PRESET.value,
+               'context_attention': _METHOD.value, 'rows': rows}, f, indent=1)
     f.write('\n')
 
 

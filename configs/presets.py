@@ -63,7 +63,8 @@ def model(name: str) -> dict:
     raise ValueError(f'model preset {name!r} is not known; allowed: {", ".join(MODELS)}')
   # Llama's defaults (GPT-2's options: models/config.py).
   base = dict(rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, remat='none',
-              attention='auto', loss_chunk=0, scan_unroll=1, init_std=0.02,
+              attention='auto', context_attention='gather', loss_chunk=0, scan_unroll=1,
+              init_std=0.02,
               norm='rms', mlp='swiglu', positions='rope', bias=False, rope_scaling='none',
               rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
               rope_original_max_len=8192)

@@ -256,16 +256,25 @@ def context_block(shape: StepShape) -> int:
 
 def context_collective_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict:
   """Bytes per device per step that the context-parallel attention moves (models/context.py),
-  counted as parallel/collectives.py counts them: the gathered keys and values of every layer's
-  forward pass (and again where remat recomputes it), and the reduce-scatter of their gradients
-  in the backward pass, each the whole sequence's [rows, length, kv_heads / tensor, head_dim]."""
+  counted as parallel/collectives.py counts them. `gather`: the gathered keys and values of every
+  layer's forward pass (and again where remat recomputes it), and the reduce-scatter of their
+  gradients in the backward pass, each the whole sequence's [rows, length, kv_heads / tensor,
+  head_dim]. `ring`: the collective-permutes of the shard's keys and values, shards - 1 in each
+  forward pass, and `shards` in the backward pass with their fp32 gradients beside them (packed
+  rows' segment ids travel too: 4 bytes a position, not counted)."""
+  kinds = {'all-gather': 0.0, 'reduce-scatter': 0.0, 'collective-permute': 0.0}
   if shape.context == 1:
-    return {'all-gather': 0.0, 'reduce-scatter': 0.0}
+    return kinds
   pair = 2 * shape.rows_per_device * shape.seq_len * cfg.num_kv_heads * cfg.head_dim / shape.tensor
   passes = 1 if cfg.remat == 'none' else 2
   layers = cfg.num_layers * shape.microbatches
-  return {'all-gather': passes * layers * pair * policy.compute_bytes,
-          'reduce-scatter': layers * pair * policy.compute_bytes}
+  c = policy.compute_bytes
+  if cfg.context_attention == 'ring':
+    local = pair / shape.context
+    kinds['collective-permute'] = layers * local * (
+        passes * (shape.context - 1) * c + shape.context * (c + FP32))
+    return kinds
+  return {**kinds, 'all-gather': passes * layers * pair * c, 'reduce-scatter': layers * pair * c}
 
 
 def _vocab_matrices(cfg: ModelConfig) -> int:
@@ -447,12 +456,18 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
 
 
 def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """The whole sequence's keys and values that the context-parallel attention gathers for a
-  layer's backward pass, and their fp32 gradients before the reduce-scatter (models/context.py)."""
+  """What the context-parallel attention holds at a layer's backward pass (models/context.py):
+  `gather`, the whole sequence's keys and values and their fp32 gradients before the
+  reduce-scatter; `ring`, the shard's keys and values arriving beside those it computes with, and
+  the fp32 gradients travelling with them (7b at 32k on 2 and 8 shards, `bench.context
+  --context_attention=ring`: counting the running sums and the arriving gradients apart put the
+  estimate at +4.9 and +2.5 %, one fp32 pair +3.1 and +1.8 %)."""
   if shape.context == 1:
     return 0.0
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   kv = cfg.num_kv_heads * cfg.head_dim / shape.tensor
+  if cfg.context_attention == 'ring':
+    return shape.tokens * kv * 2 * (c + FP32)
   return shape.rows_per_device * shape.seq_len * kv * 2 * (c + FP32)
 
 

@@ -201,8 +201,13 @@ def _scores(qi, kj, i, j, block, query_segments, key_segments):
   return jnp.where(visible, s, _MASKED)
 
 
-def _flash_forward(qb, kb, vb, qsb, ksb, at):
-  """Blocked outputs (in the compute dtype) and each row's log-sum-exp of the scores (fp32)."""
+def _flash_forward(qb, kb, vb, qsb, ksb, at, key_at=None):
+  """Blocked outputs (in the compute dtype) and each row's log-sum-exp of the scores (fp32).
+
+  `key_at` [nk] (ascending): the blocks of the sequence the key blocks are, when they are not
+  0..nk-1 (a ring step's blocks, models/context.py). Then a query row may see no key at all: its
+  output is 0 and its log-sum-exp _MASKED, and the output stays in fp32 (a partial result that
+  is merged with the other steps' by their log-sum-exp)."""
   block = qb.shape[-2]
 
   def query_block(_, inputs):
@@ -210,7 +215,8 @@ def _flash_forward(qb, kb, vb, qsb, ksb, at):
 
     def key_block(j, carry):
       row_max, row_sum, acc = carry
-      s = _scores(qi, kb[j], i, j, block, si, None if ksb is None else ksb[j])
+      s = _scores(qi, kb[j], i, j if key_at is None else key_at[j], block, si,
+                  None if ksb is None else ksb[j])
       new_max = jnp.maximum(row_max, s.max(axis=-1))
       p = jnp.exp(s - new_max[..., None])
       fade = jnp.exp(row_max - new_max)
@@ -219,6 +225,11 @@ def _flash_forward(qb, kb, vb, qsb, ksb, at):
 
     stats = jnp.full(qi.shape[:-1], _MASKED, jnp.float32)
     init = (stats, jnp.zeros_like(stats), jnp.zeros(qi.shape, jnp.float32))
+    if key_at is not None:   # the key blocks at or before query block i: a prefix, maybe empty
+      row_max, row_sum, acc = jax.lax.fori_loop(0, jnp.sum(key_at <= i), key_block, init)
+      seen = row_sum > 0
+      out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1)[..., None], 0)
+      return None, (out, jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1)), _MASKED))
     row_max, row_sum, acc = _loop(0, i + 1, key_block, init, kb.shape[0])
     out = (acc / row_sum[..., None]).astype(qi.dtype)
     return None, (out, row_max + jnp.log(row_sum))
@@ -227,12 +238,13 @@ def _flash_forward(qb, kb, vb, qsb, ksb, at):
   return out, lse
 
 
-def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
+def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out, key_at=None):
   """Gradients of the blocked q, k, v: key block j's dk and dv gather over the query blocks on
   key blocks j and later; each block's probabilities are rebuilt from the saved log-sum-exp (no
-  [t, t] block is kept)."""
+  [t, t] block is kept). `key_at` as `_flash_forward` takes it; with it (a ring step: `out` and
+  `lse` are the whole row's) the gradients stay in fp32, to be summed over the steps."""
   nq, block = qb.shape[0], qb.shape[-2]
-  whole = nq == kb.shape[0]   # a whole sequence: at = 0..n-1
+  whole = key_at is None and nq == kb.shape[0]   # a whole sequence: at = 0..n-1
   dtype = qb.dtype
   # D_i = rowsum(dO * O): the softmax's backward without the probabilities of the whole row.
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -240,10 +252,13 @@ def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
   def key_block(dq, inputs):
     kj, vj, j, sj = inputs
 
+    position = j if key_at is None else key_at[j]
+
     def query_block(m, carry):
       dq, dk, dv = carry
       qi, d_out_i = qb[m], d_out[m]
-      s = _scores(qi, kj, m if whole else at[m], j, block, None if qsb is None else qsb[m], sj)
+      s = _scores(qi, kj, m if whole else at[m], position, block,
+                  None if qsb is None else qsb[m], sj)
       p = jnp.exp(s - lse[m][..., None])
       dv = dv + _dot('bkgqs,bkgqd->bksd', p.astype(dtype), d_out_i)
       dp = _dot('bkgqd,bksd->bkgqs', d_out_i, vj)
@@ -256,12 +271,14 @@ def _flash_backward(qb, kb, vb, qsb, ksb, at, out, lse, d_out):
 
     zeros = jnp.zeros(kj.shape, jnp.float32)
     # The first query block that sees key block j (`at` ascending); on a whole sequence, j.
-    first = j if whole else jnp.sum(at < j)
+    first = j if whole else jnp.sum(at < position)
     dq, dk, dv = _loop(first, nq, query_block, (dq, zeros, zeros), nq)
     return dq, (dk, dv)
 
   dq, (dk, dv) = _over_blocks(key_block, jnp.zeros(qb.shape, jnp.float32),
                               (kb, vb, jnp.arange(kb.shape[0]), ksb), kb.shape[0])
+  if key_at is not None:
+    return dq, dk, dv
   return dq.astype(dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
 
 

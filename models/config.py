@@ -2,11 +2,12 @@
 import dataclasses
 
 from models.attention import ATTENTIONS
+from models.context import CONTEXT_ATTENTIONS
 
 REMAT_POLICIES = ('none', 'full', 'dots', 'qkv', 'offload', 'dots_offload')
 # Fields that say how the step computes, not what the parameters are: a resume or a fine-tune may
 # change them freely, and a checkpoint or an imported model does not set them.
-COMPUTE_FIELDS = ('remat', 'attention', 'loss_chunk', 'scan_unroll')
+COMPUTE_FIELDS = ('remat', 'attention', 'context_attention', 'loss_chunk', 'scan_unroll')
 # Architecture options, so that one decoder covers Llama and GPT-2 (Hugging Face import/export):
 NORMS = ('rms', 'layer')          # RMSNorm (Llama) or LayerNorm with a bias (GPT-2)
 MLPS = ('swiglu', 'gelu')         # down(silu(gate x) * up x) (Llama) or down(gelu_tanh(up x)) (GPT-2)
@@ -30,6 +31,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   remat: str = 'none'
   attention: str = 'auto'   # xla, flash, cudnn, or auto (models/attention.py)
+  # Under mesh.context > 1 (models/context.py): 'gather' (every shard gathers the sequence's keys
+  # and values) or 'ring' (they pass from shard to shard).
+  context_attention: str = 'gather'
   loss_chunk: int = 0       # > 0: the head and loss run this many positions at a time (models/loss.py)
   # Blocks per iteration of the layer scan: 1 compiles one block whatever the depth; num_layers
   # unrolls the stack (no stacked copies of the saved values: faster on a CPU at a few layers,
@@ -77,7 +81,8 @@ class ModelConfig:
       raise ValueError(f'model.scan_unroll={unroll!r}; it must be a whole number of blocks per '
                        f'scan iteration, from 1 (rolled) to model.num_layers={self.num_layers} '
                        f'(unrolled)')
-    for name, allowed in (('remat', REMAT_POLICIES), ('attention', ATTENTIONS), ('norm', NORMS),
+    for name, allowed in (('remat', REMAT_POLICIES), ('attention', ATTENTIONS),
+                          ('context_attention', CONTEXT_ATTENTIONS), ('norm', NORMS),
                           ('mlp', MLPS), ('positions', POSITIONS), ('rope_scaling', ROPE_SCALINGS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f'model.{name}={getattr(self, name)!r}; allowed: {", ".join(allowed)}')

@@ -17,14 +17,19 @@ and values' gradients back to their shards (the all-gather's transpose). Per lay
 the whole sequence's keys and values only while the layer runs: with remat `full` that is one
 layer's [t, kv_heads, head_dim] pair, not the [t, t] scores, which never exist.
 """
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import flash_attention_at, flash_block
+from models.attention import (_MASKED, _blocked_keys, _blocked_queries, _blocked_segments,
+                              _flash_backward, _flash_forward, _groups, flash_attention_at,
+                              flash_block)
 from models.hints import mesh_spec, shards
+
+CONTEXT_ATTENTIONS = ('gather', 'ring')
 
 
 def sequence_shards() -> int:
@@ -68,10 +73,11 @@ def block_size(chunk: int) -> int:
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                      segments: jax.Array | None, shards: int) -> jax.Array:
+                      segments: jax.Array | None, shards: int, method: str = 'gather') -> jax.Array:
   """Causal attention of q [b, t, heads, d] with k, v [b, t, kv_heads, d] (and segment ids
   [b, t] or None), all in zigzag order with `length` split into `shards` by the rules in context;
-  returns the output in the same order and split."""
+  returns the output in the same order and split. `method`: `gather` (every shard gathers all keys
+  and values) or `ring` (`ring_attention`)."""
   q_spec = mesh_spec(('batch', 'length', 'heads', None))
   kv_spec = mesh_spec(('batch', 'length', 'kv_heads', None))
   row_spec = mesh_spec(('batch', 'length'))
@@ -82,9 +88,9 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   per_chunk = chunk // block
 
   def local(q, k, v, *segments):
-    r = jax.lax.axis_index(axis)
-    within = jnp.arange(per_chunk)
-    at = jnp.concatenate([r * per_chunk + within, (2 * shards - 1 - r) * per_chunk + within])
+    at = _shard_blocks(jax.lax.axis_index(axis), shards, per_chunk)
+    if method == 'ring':
+      return ring_attention(q, k, v, segments[0] if segments else None, at, axis, shards, block)
     gather = lambda x: _sequence_order(jax.lax.all_gather(x, axis, axis=1, tiled=True), shards)
     key_segments = [gather(s) for s in segments]
     return flash_attention_at(q, gather(k), gather(v), at, block, *segments, *key_segments)
@@ -93,3 +99,92 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   if segments is not None:
     args, specs = args + (segments,), specs + (row_spec,)
   return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
+
+
+def _shard_blocks(r: jax.Array, shards: int, per_chunk: int) -> jax.Array:
+  """The blocks of the sequence that shard r holds, in its order: chunk r's, then chunk
+  2 * shards - 1 - r's."""
+  within = jnp.arange(per_chunk)
+  return jnp.concatenate([r * per_chunk + within, (2 * shards - 1 - r) * per_chunk + within])
+
+
+# ---- ring: keys and values passed around the context axis --------------------------------------
+# Each shard keeps its own keys and values and passes them one shard on at every step (a
+# collective-permute issued before the step's blocks are computed, so that on a GPU the transfer
+# can run under them); after `shards` steps every query block has met every key block. A step's
+# partial outputs are merged by their log-sum-exp as the flash kernel merges blocks. The backward
+# pass passes the keys and values around again, with their gradients travelling beside them, so
+# that after the last step each shard holds its own blocks' dk and dv: no shard ever holds more
+# than two shards' keys and values (the ones it computes with and the ones arriving).
+
+def ring_attention(q, k, v, segments, at, axis, shards: int, block: int) -> jax.Array:
+  """One shard's causal attention over the ring: q [b, n, heads, d] and k, v [b, n, kv_heads, d]
+  the shard's, its blocks at `at` of the sequence (every shard's keys lie at its own `at`)."""
+  b, n, heads, d = q.shape
+  kv_heads, blocks = k.shape[2], n // block
+  qb = _blocked_queries(_groups(q, kv_heads), blocks, block)
+  kb, vb = (_blocked_keys(x, blocks, block) for x in (k, v))
+  sb = _blocked_segments(segments, blocks, block)
+  out = _ring_blocked(qb, kb, vb, sb, at, axis, shards)
+  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, n, heads, d)
+
+
+def _ring_step(axis, shards: int, *blocks):
+  """`blocks` passed one shard on (shard i's to shard i + 1)."""
+  return jax.lax.ppermute(blocks, axis, [(i, (i + 1) % shards) for i in range(shards)])
+
+
+def _key_blocks(at: jax.Array, step, axis, shards: int) -> jax.Array:
+  """Where the keys a shard holds at ring step `step` lie: those of shard r - step."""
+  per_chunk = at.shape[0] // 2
+  return _shard_blocks((jax.lax.axis_index(axis) - step) % shards, shards, per_chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring_blocked(qb, kb, vb, sb, at, axis, shards):
+  return _ring_forward(qb, kb, vb, sb, at, axis, shards)[0]
+
+
+def _ring_forward(qb, kb, vb, sb, at, axis, shards):
+  def attend(s, kb, vb, ksb, out, lse):
+    """The step's partial result merged into the running one by their log-sum-exps."""
+    part, part_lse = _flash_forward(qb, kb, vb, sb, ksb, at, _key_blocks(at, s, axis, shards))
+    merged = jnp.logaddexp(lse, part_lse)
+    return (out * jnp.exp(lse - merged)[..., None] + part * jnp.exp(part_lse - merged)[..., None],
+            merged)
+
+  def step(s, carry):
+    kb, vb, ksb, out, lse = carry
+    arriving = _ring_step(axis, shards, kb, vb, ksb)
+    return (*arriving, *attend(s, kb, vb, ksb, out, lse))
+
+  lse = jnp.full(qb.shape[:-1], _MASKED, jnp.float32)
+  init = (kb, vb, sb, jnp.zeros(qb.shape, jnp.float32), lse)
+  # The last step's keys need not move on.
+  out, lse = attend(shards - 1, *jax.lax.fori_loop(0, shards - 1, step, init))
+  return out.astype(qb.dtype), lse
+
+
+def _ring_blocked_fwd(qb, kb, vb, sb, at, axis, shards):
+  out, lse = _ring_forward(qb, kb, vb, sb, at, axis, shards)
+  return out, (qb, kb, vb, sb, at, out, lse)
+
+
+def _ring_blocked_bwd(axis, shards, residuals, d_out):
+  qb, kb, vb, sb, at, out, lse = residuals
+
+  def step(s, carry):
+    kb, vb, ksb, dk, dv, dq = carry
+    dq_part, dk_part, dv_part = _flash_backward(qb, kb, vb, sb, ksb, at, out, lse, d_out,
+                                                _key_blocks(at, s, axis, shards))
+    kb, vb, ksb, dk, dv = _ring_step(axis, shards, kb, vb, ksb, dk + dk_part, dv + dv_part)
+    return kb, vb, ksb, dk, dv, dq + dq_part
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  init = (kb, vb, sb, zeros(kb), zeros(vb), zeros(qb))
+  *_, dk, dv, dq = jax.lax.fori_loop(0, shards, step, init)
+  no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+  return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), no_grad(sb), no_grad(at))
+
+
+_ring_blocked.defvjp(_ring_blocked_fwd, _ring_blocked_bwd)

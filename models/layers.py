@@ -125,7 +125,7 @@ class Attention(nnx.Module):
     q, k, v = checkpoint_name(q, 'query'), checkpoint_name(k, 'key'), checkpoint_name(v, 'value')
     context_shards = sequence_shards()
     if context_shards > 1:   # the sequence split over devices, in zigzag order (models/context.py)
-      attended = context_attention(q, k, v, segments, context_shards)
+      attended = context_attention(q, k, v, segments, context_shards, self.cfg.context_attention)
     else:
       attended = attend(q, k, v, self.cfg.attention, segments)
     attended = constrain(attended, ('batch', 'length', 'heads', 'head_dim'))

@@ -31,7 +31,9 @@ printed with every plan.
   nodes, not overlapped.
 - Context shards (offered within a node, `mesh.context`): each layer's keys and values all-gathered
   for its forward pass (and again where remat replays it) and their gradients reduce-scattered,
-  over NVLink, not overlapped (the attention waits for them); the data-parallel collectives run
+  over NVLink, not overlapped (the attention waits for them); or passed around a ring (the
+  gradients in fp32 beside them backward), overlapped with compute (each transfer is issued before
+  the blocks of the step it does not feed); the data-parallel collectives run
   over the data-parallel devices and the context shards together (they share one copy of the
   model), and each device runs 1/context of every sequence.
 """
@@ -60,6 +62,7 @@ class Recipe:
   offload: bool = False            # the optimizer's state in host memory
   schedule: str = 'gpipe'          # with stages: gpipe, or 1f1b (parallel/pipeline_1f1b.py)
   context: int = 1                 # shards of each sequence (models/context.py), within a node
+  context_attention: str = 'gather'   # with context: gather or ring (model.context_attention)
 
   def mesh(self, devices: int) -> dict:
     ways = devices // (self.tensor * self.stages * self.context)
@@ -74,7 +77,8 @@ class Recipe:
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
                 f'({self.schedule})' if self.stages > 1 else '')
     offload = ', optimizer state in host memory' if self.offload else ''
-    context = f', context {self.context}' if self.context > 1 else ''
+    context = (f', context {self.context} ({self.context_attention})' if self.context > 1
+               else '')
     return (f'{self.precision}, Adam {self.adam_bits}-bit, ZeRO-{self.zero_stage}, '
             f'tensor {self.tensor}{context}, remat {self.remat}, {self.microbatches} '
             f'microbatch(es){pipeline}{offload}')
@@ -125,10 +129,16 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   pipeline_bytes = 2 * m * activation / t if P > 1 else 0.0
   pipeline_comm = pipeline_bytes / permute_link
   # Context shards gather every layer's keys and values (again under remat) and reduce-scatter
-  # their gradients: in front of the attention that needs them, so on the critical path.
+  # their gradients: in front of the attention that needs them, so on the critical path. A ring
+  # moves the same keys and values a shard at a time (the gradients, fp32, beside them backward),
+  # each transfer issued before the step's blocks are computed: overlapped with compute.
   kv = 2 * rows * seq_len * cfg.num_kv_heads * cfg.head_dim / t * compute_bytes
-  passes = (2 if recipe.remat != 'none' else 1) + 1
-  context_bytes = cfg.num_layers / P * m * passes * (c - 1) / c * kv if c > 1 else 0.0
+  forward_passes = 2 if recipe.remat != 'none' else 1
+  ring = recipe.context_attention == 'ring'
+  context_bytes = 0.0
+  if c > 1:
+    backward = (1 + 4 / compute_bytes) if ring else 1   # the fp32 gradients travel with them
+    context_bytes = cfg.num_layers / P * m * (forward_passes + backward) * (c - 1) / c * kv
   context_comm = context_bytes / target.intra_node
 
   sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
@@ -138,8 +148,9 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # An offloaded state comes over from host memory and goes back, every step.
   host_bytes = 2 * sharded * (2 * policy.moment_bytes + policy.master_bytes) if recipe.offload else 0
   host_transfer = host_bytes / target.host_link
-  total = (max(compute, dp_comm) + tp_comm + pipeline_comm + context_comm + optimizer
-           + host_transfer)
+  exposed_context = 0.0 if ring else context_comm
+  total = (max(compute, dp_comm, context_comm if ring else 0.0) + tp_comm + pipeline_comm
+           + exposed_context + optimizer + host_transfer)
   return {'compute': compute, 'data_parallel_comm': dp_comm, 'tensor_comm': tp_comm,
           'pipeline_comm': pipeline_comm, 'context_comm': context_comm, 'optimizer': optimizer,
           'host_transfer': host_transfer, 'total': total, 'host_bytes': host_bytes,

@@ -75,6 +75,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
   config.parallel.pipeline_repeats = 1
   config.parallel.offload_optimizer = recipe.offload
+  config.model.context_attention = recipe.context_attention
   return config
 
 
@@ -109,14 +110,15 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       # A pipeline: any count of pipeline microbatches from the stage count up that divides the
       # rows, under GPipe or 1F1B (same bubble; 1F1B keeps less, recomputes more).
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
-        for schedule in ['gpipe'] if p == 1 else ['gpipe', '1f1b']:
+        for schedule, method in itertools.product(['gpipe'] if p == 1 else ['gpipe', '1f1b'],
+                                                  ['gather'] if c == 1 else ['gather', 'ring']):
           found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule,
-                              context=c))
-        # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and no
-        # pipeline (train/checks.py:offload).
-        if bits == 32 and p == 1:
-          found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, offload=True,
-                              context=c))
+                              context=c, context_attention=method))
+          # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and
+          # no pipeline (train/checks.py:offload).
+          if bits == 32 and p == 1:
+            found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, offload=True,
+                                context=c, context_attention=method))
   return found
 
 
@@ -132,7 +134,7 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule)
   shape = dataclasses.replace(shape, offload_optimizer=recipe.offload)
-  cfg = dataclasses.replace(cfg, remat=recipe.remat)
+  cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)
   if recipe.offload:

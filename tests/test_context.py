@@ -1,7 +1,8 @@
-"""Context parallelism (models/context.py): the zigzag order, the attention across shards against
-the reference on whole sequences, train steps over 2 and 4 context shards (with every other
-mesh axis) equal to one device on packed documents, and a length the axis does not split refused
-in one line."""
+"""Context parallelism (models/context.py): the zigzag order, the attention across shards (keys and
+values gathered, or passed around a ring) against the reference on whole sequences, train steps
+over 2 and 4 context shards (with every other mesh axis) equal to one device on packed documents,
+a checkpoint that moves to one device, and a length the axis does not split refused in one
+line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,11 +38,12 @@ def _packed_segments(rows: int, length: int, seed: int) -> np.ndarray:
   return (1 + np.cumsum(starts, axis=1)).astype(np.int32)
 
 
+@pytest.mark.parametrize('method', ['gather', 'ring'])
 @pytest.mark.parametrize('shards', [2, 4])
-def test_context_attention_equals_the_reference_on_packed_rows(shards):
+def test_context_attention_equals_the_reference_on_packed_rows(shards, method):
   """Values and gradients of q, k and v with grouped-query heads (4 query heads on 2 KV heads,
-  so only KV heads are gathered), documents crossing shard boundaries, and the other devices
-  splitting the batch."""
+  so only KV heads move), documents crossing shard boundaries, and the other devices splitting
+  the batch; the keys and values gathered, or passed around a ring."""
   b, t, heads, kv_heads, d = 4, 32, 4, 2, 8
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, t, heads, d))
@@ -57,7 +59,7 @@ def test_context_attention_equals_the_reference_on_packed_rows(shards):
   mesh = make_mesh(dict(data=8 // shards, context=shards))
 
   def split(q, k, v):   # in sequence order on the outside, zigzag inside
-    out = context_attention(*map(zig, (q, k, v)), zig(segments), shards)
+    out = context_attention(*map(zig, (q, k, v)), zig(segments), shards, method)
     return out[:, np.argsort(order)]
 
   def reference(q, k, v):
@@ -92,6 +94,11 @@ LAYOUTS = {
         'model.remat': 'full', 'train.microbatches': 2},
     'context2-stage2-1f1b': {'mesh': dict(stage=2, data=2, fsdp=1, context=2, tensor=1),
                              'parallel.zero_stage': 0, 'parallel.pipeline_schedule': '1f1b'},
+    'ring-context4-fsdp2-zero3': {'mesh': dict(stage=1, data=1, fsdp=2, context=4, tensor=1),
+                                  'parallel.zero_stage': 3, 'model.context_attention': 'ring'},
+    'ring-context2-tensor2-zero1-remat-accumulation': {
+        'mesh': dict(stage=1, data=1, fsdp=2, context=2, tensor=2), 'parallel.zero_stage': 1,
+        'model.remat': 'full', 'train.microbatches': 2, 'model.context_attention': 'ring'},
 }
 
 

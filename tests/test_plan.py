@@ -58,6 +58,11 @@ def test_long_sequences_fit_only_split_over_context_shards():
   assert fitting and all(c.recipe.context > 1 for c in fitting)
   assert any(c.recipe.context == 1 for c in candidates)
   assert all((c.seconds['context_comm'] > 0) == (c.recipe.context > 1) for c in candidates)
+  # A ring moves the keys and values under the compute; a gather waits for them.
+  gather = next(c for c in fitting if c.recipe.context_attention == 'gather')
+  ring = evaluate(config, dataclasses.replace(gather.recipe, context_attention='ring'), target)
+  assert ring.seconds['total'] < gather.seconds['total']
+  assert ring.estimate['total'] < gather.estimate['total']
 
 
 def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
