@@ -1,8 +1,8 @@
 """Planned on 2026-11-26 by
   python main.py --config=configs/fsdp.py:7b --plan --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --workdir=bench/results/plans/7b-128k-8xH100-80GB
 
-bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 4, remat full, 4 microbatch(es)
-on 8xH100-80GB: compiled 53.0 GB per device (estimate 53.7 GB; usable 72.0 GB), estimated 97.90 s per step, 10,711 tokens/s.
+bf16_mixed, Adam 8-bit, ZeRO-2, tensor 1, context 4 (ring), remat full, 4 microbatch(es)
+on 8xH100-80GB: compiled 68.7 GB per device (estimate 70.1 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
 
 Run it on the target:  python main.py --config=bench/results/plans/7b-128k-8xH100-80GB/planned_config.py
 Size it here:          python main.py --config=bench/results/plans/7b-128k-8xH100-80GB/planned_config.py --dry_run --host_devices=8
@@ -18,6 +18,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'mesh': {'context': 4, 'data': 1, 'fsdp': 2, 'stage': 1, 'tensor': 1},
  'model': {'attention': 'auto',
            'bias': False,
+           'context_attention': 'ring',
            'd_model': 4096,
            'head_dim': 128,
            'init_std': 0.02,
@@ -47,7 +48,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
-              'zero_stage': 3},
+              'zero_stage': 2},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 8,
            'adam_block_size': 2048,
