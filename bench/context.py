@@ -4,7 +4,8 @@ the analytic estimate, and the collectives of a step. Nothing is allocated.
   python -m bench.context                       # README's table: 7b, 32k/64k/128k x context 1-8
   python -m bench.context --context_attention=ring --contexts=2,4,8   # the same with a ring
   python -m bench.context --seq_lens=8192 --contexts=1,2 --preset=1b
-  python -m bench.context --compose   # every precision / quant mode / LoRA over context shards
+  python -m bench.context --compose [--context_attention=ring]   # every precision / quant mode /
+                                                                # LoRA over context shards
 
 For each length and context size C the mesh is C context x (devices / C) fsdp under ZeRO-3, with
 one sequence per fsdp group (batch devices / C), remat full and a 4096-position loss chunk: every
@@ -51,7 +52,7 @@ def compose() -> None:
                  dict(stage=1, data=1, fsdp=1, context=1, tensor=1)):
       config = layout_config('fsdp', 'tiny')
       for key, value in {'train.seq_len': 64, 'train.batch_size': 4, 'mesh': mesh,
-                         **overrides}.items():
+                         'model.context_attention': _METHOD.value, **overrides}.items():
         default.override(config, key, value)
       runs.append(losses(config, jax.devices()[:math.prod(mesh.values())], packed=True))
     worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
