@@ -9,13 +9,16 @@ torchtitan's load balance). The order is applied once to the inputs (tokens, tar
 segment ids) and undone on outputs that keep positions (logits, per-token losses). Everything but
 attention is position by position and does not notice.
 
-Attention all-gathers the keys and values over the context axis (only the KV heads: grouped-query
-attention sends num_kv_heads, not num_heads), puts them back in sequence order, and runs the
-blockwise flash kernel of the shard's query blocks against them, skipping every key block after a
-query block (models/attention.py:flash_attention_at). Its backward pass reduce-scatters the keys'
-and values' gradients back to their shards (the all-gather's transpose). Per layer a device holds
-the whole sequence's keys and values only while the layer runs: with remat `full` that is one
-layer's [t, kv_heads, head_dim] pair, not the [t, t] scores, which never exist.
+Attention (`model.context_attention`) moves only the KV heads (grouped-query attention sends
+num_kv_heads, not num_heads), two ways:
+- `gather`: all-gathers the keys and values over the context axis, puts them back in sequence
+  order, and runs the blockwise flash kernel of the shard's query blocks against them, skipping
+  every key block after a query block (models/attention.py:flash_attention_at). Its backward pass
+  reduce-scatters the keys' and values' gradients back to their shards (the all-gather's
+  transpose). A device holds the whole sequence's keys and values while a layer runs (one layer's
+  [t, kv_heads, head_dim] pair under remat `full`), never the [t, t] scores.
+- `ring` (`ring_attention`): the keys and values pass from shard to shard, one step per shard,
+  each transfer issued ahead of the step's blocks; a device holds at most two shards' of them.
 """
 import functools
 import math

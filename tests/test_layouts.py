@@ -89,17 +89,20 @@ def test_replicated_gradients_are_reduced_once_per_step_not_per_microbatch(layou
   assert four['bytes'] <= one['bytes']
 
 
+# The ZeRO axes: state is sharded over fsdp and context together (a size-1 axis splits nothing).
+ZERO = ('fsdp', 'context')
+
 # (parameter spec, Adam moment spec) of the stacked MLP gate kernel [layers, embed, mlp]. The rule
 # tables are the same for every layout, so `layers` always names `stage` and `mlp` `tensor`: where
 # that axis has size 1 (every layout but pipeline; but tp and fsdp_tp) it splits nothing.
 EXPECTED_GATE_SPECS = {
     'ddp': (P('stage', None, 'tensor'), P('stage', None, 'tensor')),
-    'zero1': (P('stage', None, 'tensor'), P('stage', 'fsdp', 'tensor')),
-    'zero2': (P('stage', None, 'tensor'), P('stage', 'fsdp', 'tensor')),
-    'fsdp': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'zero1': (P('stage', None, 'tensor'), P('stage', ZERO, 'tensor')),
+    'zero2': (P('stage', None, 'tensor'), P('stage', ZERO, 'tensor')),
+    'fsdp': (P('stage', ZERO, 'tensor'), P('stage', ZERO, 'tensor')),
     'tp': (P('stage', None, 'tensor'), P('stage', None, 'tensor')),
-    'fsdp_tp': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
-    'pipeline': (P('stage', 'fsdp', 'tensor'), P('stage', 'fsdp', 'tensor')),
+    'fsdp_tp': (P('stage', ZERO, 'tensor'), P('stage', ZERO, 'tensor')),
+    'pipeline': (P('stage', ZERO, 'tensor'), P('stage', ZERO, 'tensor')),
 }
 
 
@@ -125,13 +128,13 @@ def test_parameter_and_optimizer_state_shardings_are_the_expected_specs(layout):
   assert _normalise(adam.mu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
   assert _normalise(adam.nu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
   embedding = state['params']['embedding'].sharding.spec
-  expected_embedding = P('tensor', 'fsdp' if layout in ('fsdp', 'fsdp_tp', 'pipeline') else None)
+  expected_embedding = P('tensor', ZERO if layout in ('fsdp', 'fsdp_tp', 'pipeline') else None)
   assert _normalise(embedding) == _normalise(expected_embedding)
 
 
 def expected_spec(axes: tuple, fsdp_sharded: bool) -> P:
   """What the rule tables promise, written out independently of parallel/rules.py."""
-  mesh_axis = {'embed': 'fsdp' if fsdp_sharded else None, 'heads': 'tensor', 'kv_heads': 'tensor',
+  mesh_axis = {'embed': ZERO if fsdp_sharded else None, 'heads': 'tensor', 'kv_heads': 'tensor',
                'mlp': 'tensor', 'vocab': 'tensor', 'layers': 'stage'}
   return P(*(mesh_axis.get(a) for a in axes))
 
@@ -219,5 +222,5 @@ def test_an_unknown_mesh_axis_is_refused():
   config = config_for('fsdp')
   config.mesh = {'data': 1, 'fsdp': -1, 'pipe': 1}
   with pytest.raises(checks.ConfigError,
-                     match="mesh axis 'pipe' is not known; allowed: stage, data, fsdp, tensor"):
+                     match="mesh axis 'pipe' is not known; allowed: stage, data, fsdp, context, tensor"):
     run.setup(config)

@@ -8,9 +8,10 @@ from parallel.rules import layout_rules, to_mesh_spec
 
 def test_minus_one_takes_the_devices_left_over():
   assert resolve_mesh_shape({'data': -1, 'tensor': 2}, 8) == {'stage': 1, 'data': 4, 'fsdp': 1,
-                                                              'tensor': 2}
-  assert resolve_mesh_shape({'stage': 2, 'fsdp': -1, 'tensor': 2}, 8) == {'stage': 2, 'data': 1,
-                                                                          'fsdp': 2, 'tensor': 2}
+                                                              'context': 1, 'tensor': 2}
+  assert resolve_mesh_shape({'stage': 2, 'fsdp': -1, 'tensor': 2}, 8) == {
+      'stage': 2, 'data': 1, 'fsdp': 2, 'context': 1, 'tensor': 2}
+  assert resolve_mesh_shape({'context': 4, 'fsdp': -1}, 8)['fsdp'] == 2
 
 
 @pytest.mark.parametrize('mesh, message', [
@@ -27,12 +28,14 @@ def test_bad_meshes_are_refused_with_the_value(mesh, message):
 
 def test_make_mesh_names_every_axis():
   mesh = make_mesh({'data': -1})
-  assert dict(mesh.shape) == {'stage': 1, 'data': 8, 'fsdp': 1, 'tensor': 1}
-  assert list(mesh.shape) == ['stage', 'data', 'fsdp', 'tensor']   # stages outermost (across nodes)
+  assert dict(mesh.shape) == {'stage': 1, 'data': 8, 'fsdp': 1, 'context': 1, 'tensor': 1}
+  # stages outermost (across nodes); context next to tensor (it moves keys and values every layer)
+  assert list(mesh.shape) == ['stage', 'data', 'fsdp', 'context', 'tensor']
 
 
-def test_batch_splits_over_both_data_parallel_axes():
-  assert to_mesh_spec(('batch', 'length'), layout_rules(0).activations) == P(('data', 'fsdp'), None)
+def test_batch_splits_over_both_data_parallel_axes_and_the_sequence_over_context():
+  assert to_mesh_spec(('batch', 'length'), layout_rules(0).activations) == P(('data', 'fsdp'),
+                                                                              'context')
 
 
 @pytest.mark.parametrize('stage, sharded', [
@@ -41,7 +44,7 @@ def test_each_zero_stage_shards_what_it_promises_over_fsdp(stage, sharded):
   rules = layout_rules(stage)
   for part in ('params', 'grads', 'optimizer'):
     spec = to_mesh_spec(('layers', 'embed', 'mlp'), getattr(rules, part))
-    assert spec == (P('stage', 'fsdp', 'tensor') if part in sharded else
+    assert spec == (P('stage', ('fsdp', 'context'), 'tensor') if part in sharded else
                     P('stage', None, 'tensor')), part
 
 

@@ -199,4 +199,4 @@ def test_host_devices_simulates_a_data_parallel_mesh(tmp_path):
                    f'--workdir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
   memory = json.loads((tmp_path / 'memory.json').read_text())
-  assert memory['mesh'] == {'stage': 1, 'data': 4, 'fsdp': 1, 'tensor': 1}
+  assert memory['mesh'] == {'stage': 1, 'data': 4, 'fsdp': 1, 'context': 1, 'tensor': 1}
