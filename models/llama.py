@@ -189,7 +189,8 @@ class Transformer(nnx.Module):
     `segments` [batch, length] int: packed rows, a document id per position (0: padding); each
     position attends only within its document, and positions (rotary or learned) default to the
     index within the document. `stack` runs the block stack (default `scan_layers`; a pipeline is
-    another)."""
+    another). Under context parallelism the hidden states come in zigzag order (models/context.py:
+    `__call__` and `token_losses` put what they return back in sequence order)."""
     x, layer, layers, layer_keys, row_inputs, call = self._stack_inputs(
         tokens, positions, segments, dropout_key, reference)
     stack = stack or functools.partial(scan_layers, unroll=self.cfg.scan_unroll)
