@@ -39,3 +39,18 @@ def losses(config, devices, steps: int = 2, packed: bool = False) -> list[float]
                                             for k, v in batch.items()})
     out.append(float(metrics['loss']))
   return out
+
+
+def table(layout: str, config_for, packed: bool = False) -> None:
+  """Prints, per variant, the losses through `layout` beside one device's and their largest
+  relative difference. `config_for(overrides, one_device)` returns (config, devices) for a
+  variant's overrides, on the layout or on one device."""
+  import sys
+  print(f'| variant | {layout} losses (2 steps) | one device | largest relative difference |')
+  print('|---|---|---|---:|')
+  for name, overrides in VARIANTS.items():
+    runs = [losses(*config_for(overrides, one), packed=packed) for one in (False, True)]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
+    print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
+          f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
+    sys.stdout.flush()

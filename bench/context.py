@@ -15,13 +15,10 @@ reduce-scatters of their gradients) is read from the program as the SPMD partiti
 (the dtype the step asks for, bf16 here, as a GPU moves it; XLA:CPU's optimised program gathers
 fp32 copies) beside the estimate's `context_collective_bytes`.
 """
-import glob
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 
 from absl import app, flags, logging
 
@@ -40,25 +37,20 @@ _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each preci
 
 def compose() -> None:
   import jax
-  from bench.compose import VARIANTS, losses
+  from bench.compose import table
   from configs import default
   from configs.layouts import layout_config
-  print('| variant | context x fsdp x tensor losses (2 steps) | one device | largest relative '
-        'difference |')
-  print('|---|---|---|---:|')
-  for name, overrides in VARIANTS.items():
-    runs = []
-    for mesh in (dict(stage=1, data=1, fsdp=2, context=2, tensor=2),
-                 dict(stage=1, data=1, fsdp=1, context=1, tensor=1)):
-      config = layout_config('fsdp', 'tiny')
-      for key, value in {'train.seq_len': 64, 'train.batch_size': 4, 'mesh': mesh,
-                         'model.context_attention': _METHOD.value, **overrides}.items():
-        default.override(config, key, value)
-      runs.append(losses(config, jax.devices()[:math.prod(mesh.values())], packed=True))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
-    print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
-          f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
-    sys.stdout.flush()
+
+  def config_for(overrides, one_device):
+    mesh = dict(stage=1, data=1, fsdp=1, context=1, tensor=1) if one_device else dict(
+        stage=1, data=1, fsdp=2, context=2, tensor=2)
+    config = layout_config('fsdp', 'tiny')
+    for key, value in {'train.seq_len': 64, 'train.batch_size': 4, 'mesh': mesh,
+                       'model.context_attention': _METHOD.value, **overrides}.items():
+      default.override(config, key, value)
+    return config, jax.devices()[:math.prod(mesh.values())]
+
+  table('context x fsdp x tensor', config_for, packed=True)
 
 
 def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int,
@@ -66,24 +58,23 @@ def _kv_collectives(lowered, num_devices: int, seq_len: int, context: int,
   """The partitioned program's collectives that move keys and values: whose array has a whole
   sequence's length next to the batch (the gathered keys and values, their gradients before the
   reduce-scatter), or with a ring every collective-permute (the step has no other)."""
-  from parallel.collectives import collective_stats
+  from parallel.collectives import KINDS, collective_stats, partitioned_text
   # An all-gather's result is the whole sequence; a reduce-scatter's the shard's (its operand's
   # shape is not written on its line).
   kv_shape = re.compile(rf'\[\d+,({seq_len}|{seq_len // context}),\d+,\d+\]')
-  with tempfile.TemporaryDirectory() as folder:
-    lowered.compile(compiler_options={'xla_dump_to': folder,
-                                      'xla_dump_hlo_pass_re': 'spmd-partitioning'})
-    with open(sorted(glob.glob(os.path.join(folder, '*after_spmd-partitioning*.txt')))[-1]) as f:
-      lines = f.read().splitlines()
-  if ring:
-    return collective_stats('\n'.join(
-        line for line in lines if not re.search(r'(all-gather|reduce-scatter|all-reduce|all-to-all)'
-                                                r'(-start)?\(', line)), num_devices)
-  kept = [line for line in lines
-          if not (op := re.search(r'(all-gather|reduce-scatter|all-reduce|all-to-all|'
-                                  r'collective-permute)(-start)?\(', line))
-          or (kv_shape.search(line.split('=', 1)[-1])
-              and (op.group(1) == 'reduce-scatter') == (f',{seq_len},' not in line))]
+  lines = partitioned_text(lowered).splitlines()
+  collective = re.compile(r'(' + '|'.join(KINDS) + r')(-start)?\(')
+
+  def moves_keys(line: str) -> bool:
+    op = collective.search(line)
+    if op is None:
+      return True   # not a collective: kept (the computations and loops around them)
+    if ring:
+      return op.group(1) == 'collective-permute'
+    return bool(kv_shape.search(line.split('=', 1)[-1])
+                and (op.group(1) == 'reduce-scatter') == (f',{seq_len},' not in line))
+
+  kept = [line for line in lines if moves_keys(line)]
   return collective_stats('\n'.join(kept), num_devices)
 
 

@@ -35,27 +35,22 @@ _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each preci
 
 def compose() -> None:
   import jax
-  from bench.compose import VARIANTS, losses
+  from bench.compose import table
   from configs import default
   from configs.layouts import layout_config
-  print('| variant | pipeline losses (2 steps) | one device | largest relative difference |')
-  print('|---|---|---|---:|')
-  for name, overrides in VARIANTS.items():
-    runs = []
-    for mesh in (None, dict(stage=1, data=1, fsdp=1, tensor=1)):
-      config = layout_config('pipeline', 'tiny')
-      schedule = _SCHEDULES.value[0]
-      repeats = 2 if schedule in ('circular', 'interleaved_1f1b') else 1
-      for key, value in {'model.num_layers': 8, 'parallel.pipeline_schedule': schedule,
-                         'parallel.pipeline_repeats': repeats,
-                         **overrides,
-                         **({'mesh': mesh, 'parallel.zero_stage': 0} if mesh else {})}.items():
-        default.override(config, key, value)
-      runs.append(losses(config, None if mesh is None else jax.devices()[:1]))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(*runs))
-    print(f'| {name} | {", ".join(f"{x:.6f}" for x in runs[0])} | '
-          f'{", ".join(f"{x:.6f}" for x in runs[1])} | {worst:.1e} |')
-    sys.stdout.flush()
+  schedule = _SCHEDULES.value[0]
+  repeats = 2 if schedule in ('circular', 'interleaved_1f1b') else 1
+
+  def config_for(overrides, one_device):
+    config = layout_config('pipeline', 'tiny')
+    one = {'mesh': dict(stage=1, data=1, fsdp=1, tensor=1), 'parallel.zero_stage': 0}
+    for key, value in {'model.num_layers': 8, 'parallel.pipeline_schedule': schedule,
+                       'parallel.pipeline_repeats': repeats, **overrides,
+                       **(one if one_device else {})}.items():
+      default.override(config, key, value)
+    return config, jax.devices()[:1] if one_device else None
+
+  table('pipeline', config_for)
 
 
 def main(argv):

@@ -153,7 +153,13 @@ def collective_stats(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str,
 
 def partitioned_collectives(lowered, num_devices: int) -> dict[str, dict[str, int]]:
   """`collective_stats` of a lowered jit program as the SPMD partitioner emits it (see the module
-  docstring). Compiles it once more, with XLA dumping the partitioner's output to a scratch folder."""
+  docstring)."""
+  return collective_stats(partitioned_text(lowered), num_devices)
+
+
+def partitioned_text(lowered) -> str:
+  """The HLO text of a lowered jit program as the SPMD partitioner leaves it. Compiles it once
+  more, with XLA dumping the partitioner's output to a scratch folder."""
   with tempfile.TemporaryDirectory() as folder:
     lowered.compile(compiler_options={'xla_dump_to': folder,
                                       'xla_dump_hlo_pass_re': 'spmd-partitioning'})
@@ -162,4 +168,4 @@ def partitioned_collectives(lowered, num_devices: int) -> dict[str, dict[str, in
       raise RuntimeError('XLA wrote no dump after spmd-partitioning; this XLA names its passes '
                          'differently')
     with open(dumps[-1]) as f:
-      return collective_stats(f.read(), num_devices)
+      return f.read()

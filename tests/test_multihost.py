@@ -38,6 +38,20 @@ def losses(workdir) -> list[float]:
     return [row['loss'] for row in map(json.loads, f) if 'loss' in row]
 
 
+def both_processes(args) -> list[tuple[str, str]]:
+  """(stdout, stderr) of `args` run as processes 0 and 1 of one job, 4 devices each; both must
+  succeed."""
+  port = free_port()
+  procs = [subprocess.Popen(args + [
+      '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+  return outputs
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('multihost')
@@ -47,15 +61,7 @@ def runs(tmp_path_factory):
   subprocess.run(main_args(single, corpus) + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
                  capture_output=True, timeout=600)
   shared = tmp / 'two'
-  port = free_port()
-  procs = [subprocess.Popen(main_args(shared, corpus) + [
-      '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
-  return single, shared, outputs
+  return single, shared, both_processes(main_args(shared, corpus))
 
 
 def test_two_processes_match_the_single_process_losses(runs):
@@ -100,14 +106,7 @@ def test_pipeline_stages_spanning_two_processes_match_the_single_process_run(run
   args = [a.replace('configs/fsdp.py', 'configs/pipeline.py') for a in main_args(tmp_path / 'two', corpus)]
   args += ['--config.mesh.stage=2', '--config.parallel.pipeline_microbatches=2',
            f'--config.train.eval_every={STEPS}', '--config.train.eval_tokens=512']
-  port = free_port()
-  procs = [subprocess.Popen(args + [
-      '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+  outputs = both_processes(args)
   assert 'pipeline    gpipe: 2 stages' in outputs[0][0]
   assert len(losses(tmp_path / 'two')) == STEPS
   np.testing.assert_allclose(losses(tmp_path / 'two'), losses(single), rtol=1e-5)
@@ -121,14 +120,7 @@ def test_a_context_axis_spanning_two_processes_matches_the_single_process_run(ru
   args = main_args(tmp_path / 'two', small_corpus(tmp_path)) + [
       '--config.mesh.fsdp=1', '--config.mesh.context=8', f'--config.train.eval_every={STEPS}',
       '--config.train.eval_tokens=512']
-  port = free_port()
-  procs = [subprocess.Popen(args + [
-      '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outputs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+  outputs = both_processes(args)
   assert "'context': 8" in outputs[0][0]
   assert len(losses(tmp_path / 'two')) == STEPS
   np.testing.assert_allclose(losses(tmp_path / 'two'), losses(single), rtol=1e-5)
