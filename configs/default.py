@@ -64,7 +64,14 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       packing=True,                       # several documents per row, kept apart by segment ids;
                                           # False: one document per row, padded
       tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint
-                                          # directory (fine-tuning an imported model on its vocabulary)
+                                          # directory (python -m data.tokenizer trains one; an
+                                          # imported model's own); the model's vocabulary follows it
+      text_field='text',                  # a glob's .jsonl(.gz/.zst) / .parquet: the text's field
+                                          # (a dotted path reaches into objects: meta.body)
+      document_delimiter='',              # a glob's text files: cut into documents where it
+                                          # occurs ('\\n\\n': a blank line); '' = one per file
+      on_bad_record='fail',               # a glob's bad records: fail (naming file and line) or
+                                          # skip (counted in the prepared index)
   )
   config.mesh = dict(stage=1, data=-1, fsdp=1, context=1, tensor=1)  # axis -> size; one -1: the rest
   config.parallel = dict(

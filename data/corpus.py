@@ -63,7 +63,7 @@ def list_files(path_glob: str) -> tuple[str, list[str]]:
   return root, files
 
 
-def _hash_fraction(relpath: str) -> float:
+def hash_fraction(relpath: str) -> float:
   # sha256, not hash(): Python salts str hashes per process, and the split must never change.
   return int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:8], 16) / 2**32
 
@@ -83,7 +83,7 @@ def split_files(root: str, files: Sequence[str],
   train, val = [], []
   for path in sorted(files):
     relpath = os.path.relpath(path, root).replace(os.sep, "/")
-    (val if _hash_fraction(relpath) < val_fraction else train).append(Shard(path))
+    (val if hash_fraction(relpath) < val_fraction else train).append(Shard(path))
   if train and val:
     return train, val
   cut = 1.0 - val_fraction

@@ -23,10 +23,10 @@ from data.corpus import DataError
 from data.windows import Windows
 
 # Steps in the stream: far more than any run takes.
-_ENDLESS = 2**62
+ENDLESS = 2**62
 
 
-def _check_sharding(batch_size: int, process_index: int, process_count: int, name: str) -> int:
+def check_sharding(batch_size: int, process_index: int, process_count: int, name: str) -> int:
   """Returns the rows per process after checking the batch splits evenly across processes."""
   if batch_size < 1:
     raise DataError(f"{name}={batch_size!r} must be a positive integer")
@@ -49,7 +49,7 @@ class TokenBatches:
 
   def __init__(self, windows: Windows, *, global_batch_size: int, seed: int, shuffle: bool = True,
                process_index: int = 0, process_count: int = 1):
-    rows = _check_sharding(global_batch_size, process_index, process_count, "train.batch_size")
+    rows = check_sharding(global_batch_size, process_index, process_count, "train.batch_size")
     total = windows.num_windows
     if total < global_batch_size:
       raise DataError(f"the train split has {total} windows of seq_len={windows.seq_len}; "
@@ -70,8 +70,8 @@ class TokenBatches:
       if self._shuffle:
         order = order.shuffle(seed=_lane_seed(self._seed, lane))
       # repeat() reseeds the shuffle per epoch.
-      orders.append(order.repeat(num_epochs=_ENDLESS // (high - low)))
-    self._batches = grain.MapDataset.range(_ENDLESS).map(
+      orders.append(order.repeat(num_epochs=ENDLESS // (high - low)))
+    self._batches = grain.MapDataset.range(ENDLESS).map(
         lambda step: windows.gather([order[step] for order in orders]))
     self._step = 0
 
@@ -107,15 +107,20 @@ class TokenBatches:
 
   def set_state(self, state: dict) -> None:
     """Continues from `state` so the next batches are those an uninterrupted run would yield."""
-    expected = self._identity()
-    for key, value in expected.items():
-      if state.get(key) != value:
-        raise DataError(f"data iterator state has {key}={state.get(key)!r} but this run has "
-                        f"{key}={value!r}; a state resumes only the same corpus, seed and shapes")
-    step = state.get("step")
-    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
-      raise DataError(f"data iterator state has step={step!r}; it must be a non-negative integer")
-    self._step = int(step)
+    self._step = restored_step(state, self._identity(), 'corpus')
+
+
+def restored_step(state: dict, expected: dict, what: str) -> int:
+  """The step a saved iterator state continues from, after checking that it was saved by the same
+  stream (`expected`: its identity); DataError in one line naming the first difference."""
+  for key, value in expected.items():
+    if state.get(key) != value:
+      raise DataError(f"data iterator state has {key}={state.get(key)!r} but this run has "
+                      f"{key}={value!r}; a state resumes only the same {what}, seed and shapes")
+  step = state.get("step")
+  if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+    raise DataError(f"data iterator state has step={step!r}; it must be a non-negative integer")
+  return int(step)
 
 
 def eval_window_indices(num_windows: int, *, batch_size: int, eval_tokens: int,
@@ -138,7 +143,7 @@ def eval_batches(windows: Windows, *, batch_size: int, eval_tokens: int, process
                  process_count: int = 1) -> dict:
   """This process's rows of the evaluation set: {'inputs', 'targets', 'segments'}, each int32
   [batches, batch_size / process_count, seq_len]."""
-  rows = _check_sharding(batch_size, process_index, process_count, "train.batch_size")
+  rows = check_sharding(batch_size, process_index, process_count, "train.batch_size")
   indices = eval_window_indices(windows.num_windows, batch_size=batch_size,
                                 eval_tokens=eval_tokens, seq_len=windows.seq_len)
   mine = indices[:, process_index * rows:(process_index + 1) * rows]

@@ -36,6 +36,7 @@ bytes).
 import hashlib
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -43,9 +44,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from data.corpus import DataError, Shard, list_files, split_files
+from data.corpus import DataError, Shard, hash_fraction, list_files, split_files
 from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
                         write_atomic, write_json)
+from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
+                          describe_bad_records, documents, file_format, merge_bad_records,
+                          parse_delimiter)
 from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
@@ -63,16 +67,33 @@ def open_tokenizer(spec: str):
 
 # ---- the plan: which documents, in which group, on which side ----------------------------------
 
-def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float) -> dict:
+# The `split` of a plan entry whose file holds many documents, each sent to train or validation by
+# a hash of the file and its place in it (data/records.py).
+BY_DOCUMENT = 'by_document'
+
+
+def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
+              reading: Reading = Reading()) -> dict:
   """Everything the preparation will do, fixed before any tokenizing (and compared on resume)."""
   if not shard_mb > 0:
     raise DataError(f'--shard_mb={shard_mb!r} must be a positive number of MiB')
+  if not 0 < val_fraction <= 0.5:
+    raise DataError(f'val_fraction={val_fraction!r} must be in (0, 0.5]')
+  reading.check()
   root, files = list_files(pattern)
-  train, val = split_files(root, files, val_fraction)
+  formats = {path: file_format(path) for path in files}
+  check_parquet_columns([p for p in files if formats[p] == 'parquet'], reading, root)
+  whole = [p for p in files if not reading.by_document(formats[p])]
+  train, val = split_files(root, whole, val_fraction) if whole else ([], [])
   sizes = {path: os.path.getsize(path) for path in files}
+  by_document = []
+  for path in (p for p in files if reading.by_document(formats[p])):
+    # An uncompressed JSON Lines file larger than a group is cut, so that workers share it.
+    pieces = max(1, int(sizes[path] // (shard_mb * 2**20))) if cuttable(formats[path]) else 1
+    by_document += [Shard(path, i / pieces, (i + 1) / pieces) for i in range(pieces)]
   groups = []
-  for split, documents in (('train', train), ('val', val)):   # a group holds one split's documents
-    group, group_bytes = [], 0
+  for split, documents in (('train', train), ('val', val), (BY_DOCUMENT, by_document)):
+    group, group_bytes = [], 0   # a group holds one split's documents (or files of documents)
     for doc in sorted(documents):
       start, stop = _range(doc, sizes[doc.path])
       if group and group_bytes + (stop - start) > shard_mb * 2**20:
@@ -80,13 +101,17 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float) -> 
         group, group_bytes = [], 0
       group.append([os.path.relpath(doc.path, root), doc.start_fraction, doc.end_fraction, split])
       group_bytes += stop - start
-    groups.append(group)
-  return {'format': FORMAT, 'input': pattern, 'root': root, 'tokenizer': tokenizer.identity(),
+    if group:
+      groups.append(group)
+  plan = {'format': FORMAT, 'input': pattern, 'root': root, 'tokenizer': tokenizer.identity(),
           'dtype': token_dtype(tokenizer.vocab_size).name, 'val_fraction': val_fraction,
           'files': {os.path.relpath(p, root): s for p, s in sizes.items()}, 'groups': groups,
           # The content, not only the size: an input rewritten with other bytes of the same
           # length (and its mtime kept) must not pass for the one prepared.
           'fingerprints': {os.path.relpath(p, root): file_fingerprint(p) for p in files}}
+  if by_document:   # (absent from a plan of whole text files, as plans made before it had it)
+    plan['reading'] = reading._asdict()
+  return plan
 
 
 def _range(doc: Shard, size: int) -> tuple[int, int]:
@@ -167,61 +192,164 @@ def _pieces(path: str, start: int, stop: int, tokenizer):
         yield data
 
 
-def _encode_piece(tokenizer, data: bytes, where: str, offset: int) -> np.ndarray:
-  if isinstance(tokenizer, ByteTokenizer) and b'\x00' in data:
-    raise DataError(f'{where} holds a NUL byte at offset {offset + data.index(0)}: the byte '
-                    'tokenizer marks document boundaries with id 0, so a file holding NUL is not '
-                    'text it can prepare; leave it out of --input')
-  return tokenizer.encode(data)
+NUL_REASON = ('a NUL byte, which the byte tokenizer keeps for document boundaries (id 0): not '
+              'text it can prepare')
 
 
-def _write_documents(f, docs: list, root: str, tokenizer, dtype: str) -> dict:
-  """Writes the documents' token ids to `f`, each as [bos] + tokens + [eos]; returns where each
-  document starts, the token count, the input bytes and the sha256 of what was written."""
-  offsets, digest = [], hashlib.sha256()
-  written = {'tokens': 0, 'bytes': 0}
-
-  def put(ids):
-    data = np.asarray(ids).astype(dtype).tobytes()
-    f.write(data)
-    digest.update(data)
-    written['tokens'] += len(ids)
-
-  for relpath, start_fraction, end_fraction, _ in docs:
-    path = os.path.join(root, relpath)
-    start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
-    offsets.append(written['tokens'])
-    written['bytes'] += stop - start
-    if tokenizer.bos_id is not None:
-      put([tokenizer.bos_id])
+def _first_nul(path: str, start: int, stop: int) -> int | None:
+  """The offset of the first NUL byte in [start, stop) of a file, or None."""
+  with open(path, 'rb') as f:
+    f.seek(start)
     offset = start
-    for piece in _pieces(path, start, stop, tokenizer):
-      put(_encode_piece(tokenizer, piece, path, offset))
-      offset += len(piece)
-    if tokenizer.eos_id is not None:
-      put([tokenizer.eos_id])
-  return {**written, 'offsets': offsets, 'sha256': digest.hexdigest()}
+    while offset < stop:
+      block = f.read(min(READ_BYTES, stop - offset))
+      if not block:
+        break
+      if (at := block.find(0)) >= 0:
+        return offset + at
+      offset += len(block)
+  return None
+
+
+class _ShardWriter:
+  """One shard being written: token ids under a temporary name, with where each document starts;
+  `close` renames both files into place (and drops a shard that got no document)."""
+
+  def __init__(self, out: str, name: str, dtype: str):
+    self.out, self.name, self.dtype = out, name, np.dtype(dtype)
+    self.path = os.path.join(out, name + '.bin')
+    self.temporary = f'{self.path}.tmp{os.getpid()}'
+    self.file = open(self.temporary, 'wb')
+    self.digest = hashlib.sha256()
+    self.offsets: list[int] = []
+    self.tokens = self.bytes = 0
+
+  def start_document(self, input_bytes: int) -> None:
+    self.offsets.append(self.tokens)
+    self.bytes += input_bytes
+
+  def put(self, ids) -> None:
+    data = np.asarray(ids).astype(self.dtype).tobytes()
+    self.file.write(data)
+    self.digest.update(data)
+    self.tokens += len(ids)
+
+  def close(self, split: str) -> dict | None:
+    """The shard's entry in its group's record, or None where it holds no document."""
+    self.file.close()
+    if not self.offsets:
+      os.remove(self.temporary)
+      return None
+    os.replace(self.temporary, self.path)
+    docs_path = os.path.join(self.out, self.name + '.docs.npy')
+    write_atomic(docs_path, lambda f: np.save(f, np.asarray(self.offsets, np.int64)))
+    return {'split': split, 'name': self.name, 'tokens': self.tokens,
+            'documents': len(self.offsets), 'bytes': self.bytes,
+            'sha256': self.digest.hexdigest(), 'docs_sha256': file_sha256(docs_path)}
+
+  def abort(self) -> None:
+    self.file.close()
+    if os.path.exists(self.temporary):
+      os.remove(self.temporary)
+
+
+class _Group:
+  """Writes one group's documents, each as [bos] + tokens + [eos], into its shards."""
+
+  def __init__(self, out: str, index: int, tokenizer, dtype: str, bad: BadRecords):
+    self.tokenizer, self.bad = tokenizer, bad
+    self.writers = {split: _ShardWriter(out, f'{split}-{index:05d}', dtype) for split in SPLITS}
+    self.is_bytes = isinstance(tokenizer, ByteTokenizer)
+
+  def whole_file(self, path: str, start: int, stop: int, split: str) -> None:
+    """A text file's byte range as one document, streamed in pieces."""
+    if self.is_bytes and (at := _first_nul(path, start, stop)) is not None:
+      self.bad.add(NUL_REASON, f'{path} byte {at}')
+      return
+    writer = self.writers[split]
+    writer.start_document(stop - start)
+    self._marker(writer, self.tokenizer.bos_id)
+    for piece in _pieces(path, start, stop, self.tokenizer):
+      writer.put(self.tokenizer.encode(piece))
+    self._marker(writer, self.tokenizer.eos_id)
+
+  def records(self, path: str, fmt: str, rel: str, reading: Reading, val_fraction: float,
+              start: int, stop: int | None) -> None:
+    """A file of documents, each sent to train or validation by the hash of its file and key,
+    tokenized a batch at a time."""
+    batch, batch_bytes = [], 0
+    for doc in documents(path, fmt, reading, self.bad, start, stop, name=path):
+      try:
+        data = doc.text.encode('utf-8')
+      except UnicodeEncodeError:
+        self.bad.add('text that is not valid Unicode (a lone surrogate)', doc.place())
+        continue
+      if self.is_bytes and b'\x00' in data:
+        self.bad.add(NUL_REASON, doc.place())
+        continue
+      split = 'val' if hash_fraction(f'{rel}:{doc.key}') < val_fraction else 'train'
+      batch.append((split, doc.text, data))
+      batch_bytes += len(data)
+      if batch_bytes >= READ_BYTES or len(batch) >= 4096:
+        self._write_batch(batch)
+        batch, batch_bytes = [], 0
+    self._write_batch(batch)
+
+  def _write_batch(self, batch: list) -> None:
+    if not batch:
+      return
+    if self.is_bytes:
+      encoded = [np.frombuffer(data, np.uint8) for _, _, data in batch]
+    else:
+      encoded = self.tokenizer.encode_batch([text for _, text, _ in batch])
+    for (split, _, data), ids in zip(batch, encoded):
+      writer = self.writers[split]
+      writer.start_document(len(data))
+      markers = [[m] if m is not None else [] for m in (self.tokenizer.bos_id,
+                                                        self.tokenizer.eos_id)]
+      writer.put(np.concatenate([np.asarray(markers[0], np.int64), ids,
+                                 np.asarray(markers[1], np.int64)]))
+
+  @staticmethod
+  def _marker(writer: _ShardWriter, token: int | None) -> None:
+    if token is not None:
+      writer.put([token])
+
+  def close(self) -> list[dict]:
+    return [entry for split, writer in self.writers.items()
+            if (entry := writer.close(split)) is not None]
+
+  def abort(self) -> None:
+    for writer in self.writers.values():
+      writer.abort()
 
 
 def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: str,
-                  dtype: str, inputs: dict) -> dict:
+                  dtype: str, inputs: dict, reading: dict | None = None,
+                  val_fraction: float = 0.05, on_bad_record: str = 'fail') -> dict:
   """Tokenizes group `index` into its shards and writes its record (with `inputs`, the plan's
-  fingerprints of the group's files); returns the record."""
+  fingerprints of the group's files, and the bad records skipped); returns the record. On an
+  error nothing of the group is left under a final name."""
   tokenizer = open_tokenizer(tokenizer_spec)
-  record = {'group': index, 'inputs': inputs, 'shards': []}
-  for split in SPLITS:
-    docs = [d for d in group if d[3] == split]
-    if not docs:
-      continue
-    name = f'{split}-{index:05d}'
-    result = {}
-    write_atomic(os.path.join(out, name + '.bin'),
-                 lambda f: result.update(_write_documents(f, docs, root, tokenizer, dtype)))
-    docs_path = os.path.join(out, name + '.docs.npy')
-    write_atomic(docs_path, lambda f: np.save(f, np.asarray(result['offsets'], np.int64)))
-    record['shards'].append({'split': split, 'name': name, 'tokens': result['tokens'],
-                             'documents': len(docs), 'bytes': result['bytes'],
-                             'sha256': result['sha256'], 'docs_sha256': file_sha256(docs_path)})
+  reading = Reading(**(reading or {}))
+  bad = BadRecords(on_bad_record)
+  writing = _Group(out, index, tokenizer, dtype, bad)
+  try:
+    for relpath, start_fraction, end_fraction, split in group:
+      path = os.path.join(root, relpath)
+      start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
+      if split == BY_DOCUMENT:
+        fmt = file_format(path)
+        writing.records(path, fmt, relpath, reading, val_fraction,
+                        *((start, stop) if cuttable(fmt) else (0, None)))
+      else:
+        writing.whole_file(path, start, stop, split)
+  except BaseException:
+    writing.abort()
+    raise
+  record = {'group': index, 'inputs': inputs, 'shards': writing.close()}
+  if bad.reasons:
+    record['bad_records'] = bad.to_json()
   write_json(os.path.join(out, f'group-{index:05d}.json'), record)
   return record
 
@@ -310,31 +438,40 @@ def build_index(plan: dict, records: list[dict]) -> dict:
           'input': plan['input'], 'val_fraction': plan['val_fraction'],
           'files': len(plan['files']), 'splits': splits,
           # Every input's size and fingerprint, where a reader of the directory finds them.
-          'inputs': {k: plan[k] for k in ('root', 'files', 'fingerprints')}}
+          'inputs': {k: plan[k] for k in ('root', 'files', 'fingerprints')},
+          **({'reading': plan['reading']} if 'reading' in plan else {}),
+          **({'bad_records': bad} if (bad := merge_bad_records(
+              [r.get('bad_records', {}) for r in sorted(records, key=lambda r: r['group'])]))
+             else {})}
 
 
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
             val_fraction: float = 0.05, shard_mb: float = 256, progress: bool = True,
-            rebuild_stale: bool = False) -> dict:
+            rebuild_stale: bool = False, reading: Reading = Reading(),
+            on_bad_record: str = 'fail') -> dict:
   """Prepares (or finishes preparing) `pattern` into `out`; returns the index. `rebuild_stale`:
-  `out` is a cache of ours, prepared again when its inputs changed (else that is refused)."""
+  `out` is a cache of ours, prepared again when its inputs changed (else that is refused).
+  `reading`: the text field and document delimiter; `on_bad_record`: 'fail' or 'skip' (not part
+  of the plan: a preparation stopped by a bad record resumes with `skip`)."""
   if workers < 1:
     raise DataError(f'--workers={workers!r} must be a positive integer')
+  BadRecords(on_bad_record)   # checks the value
   tokenizer = open_tokenizer(tokenizer_spec)
-  plan = make_plan(pattern, tokenizer, val_fraction, shard_mb)
+  plan = make_plan(pattern, tokenizer, val_fraction, shard_mb, reading)
   _check_out(out, plan, rebuild_stale)
   index_path = os.path.join(out, 'index.json')
   if os.path.isfile(index_path):
     return read_json(index_path)
   os.makedirs(out, exist_ok=True)
+  _remove_leftovers(out)
   write_json(os.path.join(out, 'plan.json'), plan)
 
   inputs = [_group_inputs(plan, g) for g in plan['groups']]
   records = {i: _group_done(out, i, inputs[i]) for i in range(len(plan['groups']))}
   todo = [i for i, r in records.items() if r is None]
   sizes = [_group_bytes(plan, g) for g in plan['groups']]
-  jobs = [(out, i, plan['groups'][i], plan['root'], tokenizer_spec, plan['dtype'], inputs[i])
-          for i in todo]
+  jobs = [(out, i, plan['groups'][i], plan['root'], tokenizer_spec, plan['dtype'], inputs[i],
+           plan.get('reading'), val_fraction, on_bad_record) for i in todo]
   bar = tqdm(total=sum(sizes[i] for i in todo), unit='B', unit_scale=True, disable=not progress,
              desc=f'prepare {len(todo)} of {len(sizes)} groups')
   if workers == 1 or len(jobs) <= 1:
@@ -357,6 +494,14 @@ def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
   return index
 
 
+def _remove_leftovers(out: str) -> None:
+  """Removes the temporary files of an earlier try's workers that were stopped mid-write (the
+  directory is ours: its plan matched)."""
+  for name in os.listdir(out):
+    if re.search(r'\.tmp\d+$', name):
+      os.remove(os.path.join(out, name))
+
+
 def _group_bytes(plan: dict, group: list) -> int:
   ranges = (_range(Shard(rel, a, b), plan['files'][rel]) for rel, a, b, _ in group)
   return sum(stop - start for start, stop in ranges)
@@ -368,6 +513,8 @@ def _summary(index: dict, seconds: float, out: str) -> str:
   for split, s in index['splits'].items():
     lines.append(f'{split:<11} {s["documents"]} documents, {s["bytes"] / 1e6:.2f} MB in, '
                  f'{s["tokens"]:,} tokens in {len(s["shards"])} shards')
+  if index.get('bad_records'):
+    lines.append(describe_bad_records(index['bad_records']))
   return '\n'.join(lines)
 
 
@@ -375,7 +522,18 @@ def main(argv=None) -> int:
   import argparse
   parser = argparse.ArgumentParser(prog='python -m data.prepare', description=__doc__.split('\n')[0])
   parser.add_argument('--input', required=True,
-                      help="a glob of text files ('**' recursive); '' = the embedded stdlib corpus")
+                      help="a glob ('**' recursive) of .jsonl, .jsonl.gz, .jsonl.zst, .parquet or "
+                      "text files (any other name); '' = the embedded stdlib corpus")
+  parser.add_argument('--text_field', default='text',
+                      help='the field holding a JSON Lines record\'s or Parquet row\'s text; a '
+                      'dotted path (meta.body) reaches into objects')
+  parser.add_argument('--document_delimiter', default='',
+                      help='cuts text files into documents where it occurs (\\n, \\t escapes '
+                      'read: \'\\n\\n\' is a blank line; or e.g. \'<|endoftext|>\'); '
+                      'default: a text file is one document')
+  parser.add_argument('--on_bad_record', default='fail', choices=ON_BAD_RECORD,
+                      help='fail: the first bad record stops, naming file, line and reason; skip: '
+                      'bad records are skipped, counted per reason in the index and printed')
   parser.add_argument('--tokenizer', default='bytes',
                       help="'bytes', or a tokenizer.json / Hugging Face checkpoint directory")
   parser.add_argument('--out', required=True, help='the directory of shards (new, or an earlier try)')
@@ -386,7 +544,9 @@ def main(argv=None) -> int:
   started = time.perf_counter()
   try:
     index = prepare(args.input, args.tokenizer, args.out, workers=args.workers,
-                    val_fraction=args.val_fraction, shard_mb=args.shard_mb)
+                    val_fraction=args.val_fraction, shard_mb=args.shard_mb,
+                    reading=Reading(args.text_field, parse_delimiter(args.document_delimiter)),
+                    on_bad_record=args.on_bad_record)
   except DataError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

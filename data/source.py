@@ -1,7 +1,8 @@
 """What `data.path` names, opened as prepared shards: a directory made by `python -m data.prepare`,
-or a glob of text files ('' = the embedded standard-library corpus), which is prepared on first use
-into the run's cache (`WORKDIR/data/<key>`, the key a hash of the glob, the tokenizer and the
-split) and read from there afterwards.
+or a glob of input files ('' = the embedded standard-library corpus), which is prepared on first
+use into the run's cache (`WORKDIR/data/<key>`, the key a hash of the glob, the tokenizer, the
+split and how documents are read: `data.text_field`, `data.document_delimiter`) and read from
+there afterwards; or a mixture of several such sources with weights (data/mixture.py).
 
 Stale data is never read silently. Each time a glob is opened, the process that prepares
 (`prepare_here`: the main one) fingerprints the inputs again (their content, not their times;
@@ -18,9 +19,30 @@ import hashlib
 import json
 import os
 
+from typing import NamedTuple
+
+from data import mixture
 from data.corpus import DataError, list_files
 from data.prepare import changed_input, open_tokenizer, prepare
+from data.records import BadRecords, Reading, parse_delimiter
 from data.shards import PreparedData
+
+
+class SourceKey(NamedTuple):
+  """What decides a source's prepared shards: the config's `data` section, in a hashable form."""
+  path: str
+  tokenizer: str
+  val_fraction: float
+  reading: Reading = Reading()
+  on_bad_record: str = 'fail'
+
+
+def source_key(data, path: str | None = None) -> SourceKey:
+  """The key of a config's `data` section (`path`: one source of a mixture instead of its path)."""
+  return SourceKey(data.path if path is None else path, data.tokenizer, data.val_fraction,
+                   Reading(data.get('text_field', 'text'),
+                           parse_delimiter(data.get('document_delimiter', ''))),
+                   data.get('on_bad_record', 'fail'))
 
 
 def is_prepared_path(path: str) -> bool:
@@ -28,17 +50,31 @@ def is_prepared_path(path: str) -> bool:
   return bool(path) and os.path.isdir(os.path.expanduser(path))
 
 
-def check_path(path: str, tokenizer_spec: str) -> None:
-  """DataError in one line for a data.path that names nothing readable (nothing is written)."""
-  if is_prepared_path(path):
-    PreparedData(os.path.expanduser(path)).check_tokenizer(open_tokenizer(tokenizer_spec))
-  else:
-    list_files(path)
+def check_data(data) -> None:
+  """DataError in one line for a config's `data` section that names nothing readable, or reads it
+  in a way that is not allowed (nothing is written)."""
+  key = source_key(data)
+  key.reading.check()
+  BadRecords(key.on_bad_record)
+  for source in sources_of(data.path):
+    if is_prepared_path(source.path):
+      PreparedData(os.path.expanduser(source.path)).check_tokenizer(open_tokenizer(data.tokenizer))
+    else:
+      list_files(source.path)
 
 
-def cache_directory(cache_root: str, path: str, tokenizer_spec: str, val_fraction: float) -> str:
-  identity = {'input': path, 'tokenizer': open_tokenizer(tokenizer_spec).identity(),
-              'val_fraction': val_fraction}
+def sources_of(path: str) -> list[mixture.Component]:
+  """The sources `data.path` names: a mixture's, or itself as the one source (named '')."""
+  return mixture.parse(path) or [mixture.Component('', 1.0, path)]
+
+
+def cache_directory(cache_root: str, key: SourceKey) -> str:
+  """Where a run caches a glob's preparation. (`on_bad_record` is not part of the hash: it decides
+  whether a preparation finishes, not what it holds.)"""
+  identity = {'input': key.path, 'tokenizer': open_tokenizer(key.tokenizer).identity(),
+              'val_fraction': key.val_fraction}
+  if key.reading != Reading():   # (so that the caches of whole text files keep their keys)
+    identity['reading'] = key.reading._asdict()
   key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
   return os.path.join(cache_root, key)
 
@@ -52,20 +88,30 @@ def check_inputs(prepared: PreparedData) -> None:
                     'after deleting this one')
 
 
-def open_data(path: str, tokenizer_spec: str, val_fraction: float, cache_root: str,
-              prepare_here: bool = True, progress: bool = True) -> PreparedData:
-  """The prepared data `data.path` names, checked against `tokenizer_spec`. A glob is prepared into
+def open_data(key: SourceKey, cache_root: str, prepare_here: bool = True,
+              progress: bool = True) -> PreparedData:
+  """The prepared data of one source, checked against its tokenizer. A glob is prepared into
   `cache_root` when `prepare_here` (one process of a run prepares; the others read what it wrote,
   or, with no shared file system, prepare their own copy)."""
-  tokenizer = open_tokenizer(tokenizer_spec)
-  if is_prepared_path(path):
-    prepared = PreparedData(os.path.expanduser(path))
+  tokenizer = open_tokenizer(key.tokenizer)
+  if is_prepared_path(key.path):
+    prepared = PreparedData(os.path.expanduser(key.path))
     check_inputs(prepared)
   else:
-    directory = cache_directory(cache_root, path, tokenizer_spec, val_fraction)
+    directory = cache_directory(cache_root, key)
     if prepare_here or not os.path.isfile(os.path.join(directory, 'index.json')):
-      prepare(path, tokenizer_spec, directory, val_fraction=val_fraction, progress=progress,
-              rebuild_stale=True)
+      prepare(key.path, key.tokenizer, directory, val_fraction=key.val_fraction,
+              progress=progress, rebuild_stale=True, reading=key.reading,
+              on_bad_record=key.on_bad_record)
     prepared = PreparedData(directory)
   prepared.check_tokenizer(tokenizer)
   return prepared
+
+
+def open_sources(data, cache_root: str, prepare_here: bool = True,
+                 progress: bool = True) -> list[tuple[str, float, PreparedData]]:
+  """(name, weight, prepared data) of every source a config's `data` section names: one, named
+  '' with weight 1, or a mixture's."""
+  return [(source.name, source.weight,
+           open_data(source_key(data, source.path), cache_root, prepare_here, progress))
+          for source in sources_of(data.path)]

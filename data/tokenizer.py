@@ -89,6 +89,11 @@ class HFTokenizer:
     text = text if isinstance(text, str) else bytes(text).decode('utf-8', errors='replace')
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
+  def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    """Several documents at once (the library tokenizes them in parallel threads)."""
+    return [np.asarray(e.ids, np.int32)
+            for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in np.asarray(ids)])
 

@@ -82,7 +82,8 @@ class Job:
       if isinstance(value, str):
         value = re.sub(r'\{(\w+)\}', lambda m: refs.get(m[1], m[0]), value)
       argv.append(f'--config.{key}={_text(value)}')
-    data_key = (config.data.path, config.data.tokenizer, config.data.val_fraction)
+    from data.source import source_key
+    data_key = source_key(config.data)
     if self.command == 'train' and data_key in data_paths:
       argv.append(f'--config.data.path={data_paths[data_key]}')
     workdir = os.path.abspath(self.workdir)
@@ -199,24 +200,25 @@ class Runner:
 
 def data_directories(sweep: Sweep, directory: str) -> dict:
   """Where each distinct data.path of the training points that is not already prepared will be
-  prepared, once, under DIR/data: {(path, tokenizer, val_fraction): directory}. Writes nothing."""
-  from data.source import cache_directory, is_prepared_path
+  prepared, once, under DIR/data: {data/source.py:SourceKey: directory}. Writes nothing. (A
+  mixture's sources are prepared by each point's run, in its own workdir.)"""
+  from data.source import cache_directory, is_prepared_path, source_key, sources_of
   out = {}
   for point in [*sweep.before.values(), *sweep.points]:
     if sweep.command != 'train' and not point.labels.get('before'):
       continue
     data = config_of(sweep, point).data
-    key = (data.path, data.tokenizer, data.val_fraction)
-    if key not in out and not is_prepared_path(data.path):
-      out[key] = os.path.abspath(cache_directory(os.path.join(directory, 'data'), *key))
+    key = source_key(data)
+    if key not in out and not is_prepared_path(data.path) and sources_of(data.path)[0].name == '':
+      out[key] = os.path.abspath(cache_directory(os.path.join(directory, 'data'), key))
   return out
 
 
 def prepare_data(directories: dict) -> None:
   """Prepares what data_directories planned (a finished preparation is kept as it is)."""
   from data.source import open_data
-  for (path, tokenizer, val_fraction), prepared in directories.items():
-    open_data(path, tokenizer, val_fraction, os.path.dirname(prepared))
+  for key, prepared in directories.items():
+    open_data(key, os.path.dirname(prepared))
 
 
 def run_jobs(jobs: list[Job], runner: Runner, progress: bool = True) -> list[dict]:

@@ -7,7 +7,7 @@ import pytest
 
 from data import (IGNORED, ByteTokenizer, DataError, PreparedData, TokenBatches, Windows,
                   eval_batches, eval_window_indices, list_files, split_files)
-from data.corpus import _hash_fraction
+from data.corpus import hash_fraction
 from data.files import read_json, write_json
 from data.prepare import prepare
 
@@ -210,27 +210,27 @@ def _holds(prepared, data: bytes) -> bool:
 
 def test_a_runs_cache_is_prepared_again_when_an_input_changes_content_only(text_corpus, tmp_path,
                                                                           capsys):
-  from data.source import open_data
+  from data.source import SourceKey, open_data
   pattern = str(text_corpus / "**" / "*.txt")
   cache = tmp_path / "cache"
-  first = open_data(pattern, "bytes", 0.25, str(cache), progress=False)
+  first = open_data(SourceKey(pattern, "bytes", 0.25), str(cache), progress=False)
   (directory,) = cache.iterdir()
   changed = text_corpus / "part1" / "doc01.txt"
   recorded = first.index["inputs"]
   assert recorded["files"]["part1/doc01.txt"] == changed.stat().st_size
   assert len(recorded["fingerprints"]) == len(recorded["files"]) == 41
   stamps = _stamps(directory)
-  open_data(pattern, "bytes", 0.25, str(cache), progress=False)   # unchanged: nothing rewritten
+  open_data(SourceKey(pattern, "bytes", 0.25), str(cache), progress=False)   # unchanged: kept
   assert _stamps(directory) == stamps
   assert "prepared from other inputs" not in capsys.readouterr().out
   _rewrite_same_length_and_time(changed)
-  again = open_data(pattern, "bytes", 0.25, str(cache), progress=False)
+  again = open_data(SourceKey(pattern, "bytes", 0.25), str(cache), progress=False)
   assert capsys.readouterr().out == (f"data        {directory} was prepared from other inputs "
                                      f"({changed} changed content, same size); preparing it again\n")
   # The new bytes are what the rebuilt shards hold.
   assert _holds(again, changed.read_bytes())
   changed.write_bytes(changed.read_bytes() + b"more")
-  open_data(pattern, "bytes", 0.25, str(cache), progress=False)
+  open_data(SourceKey(pattern, "bytes", 0.25), str(cache), progress=False)
   size = changed.stat().st_size
   assert f"({changed} changed size: {size - 4} bytes, now {size})" in capsys.readouterr().out
 
@@ -248,27 +248,27 @@ def test_preparing_again_over_inputs_whose_content_changed_is_refused(text_corpu
 
 
 def test_a_prepared_directory_whose_input_changed_is_refused_naming_it(text_corpus, tmp_path):
-  from data.source import open_data
+  from data.source import SourceKey, open_data
   out = tmp_path / "prepared"
   prepare(str(text_corpus / "**" / "*.txt"), "bytes", str(out), val_fraction=0.25, progress=False)
   stamps = _stamps(out)
-  open_data(str(out), "bytes", 0.25, str(tmp_path / "unused"))   # unchanged: opens
+  open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused"))   # unchanged: opens
   changed = text_corpus / "part2" / "doc05.txt"
   _rewrite_same_length_and_time(changed)
   with pytest.raises(DataError) as info:
-    open_data(str(out), "bytes", 0.25, str(tmp_path / "unused"))
+    open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused"))
   message = str(info.value)
   assert "\n" not in message and f"({changed} changed content, same size)" in message
   assert "run python -m data.prepare again" in message
   # Inputs that are not here (prepared on another machine, or moved) are not a change.
   text_corpus.rename(tmp_path / "elsewhere")
-  open_data(str(out), "bytes", 0.25, str(tmp_path / "unused"))
+  open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused"))
   assert _stamps(out) == stamps and not (tmp_path / "unused").exists()
 
 
 def test_preparations_from_before_fingerprints_open_and_resume_from_the_inputs_now(
     text_corpus, tmp_path, capsys):
-  from data.source import cache_directory, open_data
+  from data.source import SourceKey, cache_directory, open_data
   pattern = str(text_corpus / "**" / "*.txt")
   out = tmp_path / "prepared"
   prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
@@ -279,7 +279,7 @@ def test_preparations_from_before_fingerprints_open_and_resume_from_the_inputs_n
   changed = text_corpus / "part1" / "doc04.txt"
   _rewrite_same_length_and_time(changed)
   # Finished: opens unverified.
-  assert not _holds(open_data(str(out), "bytes", 0.25, str(tmp_path / "unused")),
+  assert not _holds(open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused")),
                     changed.read_bytes())
   # Unfinished: no group names its inputs, so every one is made again, from the inputs as they are.
   (out / "index.json").unlink()
@@ -289,10 +289,10 @@ def test_preparations_from_before_fingerprints_open_and_resume_from_the_inputs_n
   assert _holds(PreparedData(str(out)), changed.read_bytes())
   assert "fingerprints" in read_json(out / "plan.json")
   # A run's cache from then is prepared again.
-  open_data(pattern, "bytes", 0.25, str(tmp_path / "cache"), progress=False)
-  cached = os.path.join(cache_directory(str(tmp_path / "cache"), pattern, "bytes", 0.25), "plan.json")
+  open_data(SourceKey(pattern, "bytes", 0.25), str(tmp_path / "cache"), progress=False)
+  cached = os.path.join(cache_directory(str(tmp_path / "cache"), SourceKey(pattern, "bytes", 0.25)), "plan.json")
   write_json(cached, {k: v for k, v in read_json(cached).items() if k != "fingerprints"})
-  open_data(pattern, "bytes", 0.25, str(tmp_path / "cache"), progress=False)
+  open_data(SourceKey(pattern, "bytes", 0.25), str(tmp_path / "cache"), progress=False)
   assert ("was prepared from other inputs (no fingerprints of its inputs: prepared by an older "
           "version); preparing it again") in capsys.readouterr().out
 
@@ -311,7 +311,7 @@ def test_bad_preparations_are_refused_in_one_line_writing_nothing(text_corpus, t
   with pytest.raises(DataError, match="preparation of other inputs.*val_fraction"):
     prepare(pattern, "bytes", str(tmp_path / "b"), val_fraction=0.1, progress=False)
   (text_corpus / "part1" / "nul.txt").write_bytes(b"a\x00b")
-  with pytest.raises(DataError, match="NUL byte at offset 1"):
+  with pytest.raises(DataError, match="nul.txt byte 1: a NUL byte"):
     prepare(pattern, "bytes", str(tmp_path / "c"), progress=False)
 
 
@@ -349,7 +349,7 @@ def documents_dir(tmp_path):
   names = {"train": [], "val": []}
   for i in range(200):   # names whose path hash puts them on the side still short of documents
     name = f"d{i:03d}.txt"
-    side = "val" if _hash_fraction(name) < 0.25 else "train"
+    side = "val" if hash_fraction(name) < 0.25 else "train"
     if len(names[side]) < {"train": 16, "val": 2}[side]:
       names[side].append(name)
       (corpus / name).write_bytes(bytes([65 + i % 26]) * 20)

@@ -17,7 +17,6 @@ from configs import default
 from data import DataError
 from data import source as data_source
 from train import ptq, run
-from train.validation import Evaluator
 
 
 def evaluate_workdir(workdir: str, data_path: str | None = None,
@@ -34,12 +33,12 @@ def evaluate_workdir(workdir: str, data_path: str | None = None,
   if checkpoints is None or not checkpoints.steps():
     raise DataError(f'--workdir={workdir!r} holds no checkpoint to evaluate')
   s = run.setup(config, stored_block_axes=run._stored_block_axes(checkpoints))
-  data_source.check_path(config.data.path, config.data.tokenizer)
+  data_source.check_data(config.data)
   restored = checkpoints.restore_newest(s.layout.abstract, unpadded=s.layout.unpadded)
-  prepared = run.open_data(config, workdir)
-  evaluator = Evaluator(s, run.eval_set(s, prepared), prepared.bytes_per_token('val'))
-  result = {'step': restored.step, 'data': prepared.directory, **evaluator(restored.state,
-                                                                            restored.step)}
+  sources = run.open_data(config, workdir)
+  result = {'step': restored.step,
+            'data': ','.join(prepared.directory for _, _, prepared in sources),
+            **run.evaluator(s, sources)(restored.state, restored.step)}
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'evaluations.jsonl'), 'a', encoding='utf-8') as f:
       f.write(json.dumps(result, sort_keys=True) + '\n')

@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 import data as data_lib
 from data import prepare as data_prepare, source as data_source
+from data.mixture import MixtureBatches
 from memory.compiled import compiled_memory_spaces, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate, offloaded
 from models.config import COMPUTE_FIELDS, ModelConfig
@@ -28,7 +29,7 @@ from parallel.sharding import batch_sharding, process_feed, replicated
 from precision.policy import Policy
 from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
-from train.validation import Evaluator
+from train.validation import EvalSet, Evaluator
 from train.loop import is_main, train_loop
 from train.offload import OffloadedOptimizer
 from train.preemption import StopRequests
@@ -293,7 +294,7 @@ def dry_run(config, workdir: str) -> dict:
   if source is not None:
     init_from.check_source(s, source)
   # A bad glob, directory or tokenizer fails now, not when the real run starts.
-  data_source.check_path(config.data.path, config.data.tokenizer)
+  data_source.check_data(config.data)
   with workdir_lock(workdir, enabled=is_main()):
     if checkpoints:   # nor may it overwrite another model's memory.json
       _check_checkpoints(s, checkpoints)
@@ -311,18 +312,37 @@ def make_tokenizer(config):
   return data_prepare.open_tokenizer(config.data.tokenizer)
 
 
-def open_data(config, workdir: str) -> data_lib.PreparedData:
-  """`data.path` as prepared shards: a glob is prepared into the workdir's cache by the main
-  process first (the others then read it, or prepare their own where the file system is not
-  shared)."""
+def open_data(config, workdir: str) -> list[tuple[str, float, data_lib.PreparedData]]:
+  """`data.path`'s sources as prepared shards, (name, weight, prepared data) each (one, named '',
+  unless it is a mixture): a glob is prepared into the workdir's cache by the main process first
+  (the others then read it, or prepare their own where the file system is not shared)."""
   cache = os.path.join(workdir, 'data')
   data = config.data
   if jax.process_count() > 1 and not data_source.is_prepared_path(data.path):
     if is_main():
-      data_source.open_data(data.path, data.tokenizer, data.val_fraction, cache)
+      data_source.open_sources(data, cache)
     multihost_utils.sync_global_devices('prepared data')
-  return data_source.open_data(data.path, data.tokenizer, data.val_fraction, cache,
-                               prepare_here=is_main(), progress=is_main())
+  return data_source.open_sources(data, cache, prepare_here=is_main(), progress=is_main())
+
+
+def train_batches(s: Setup, sources: list) -> data_lib.TokenBatches | MixtureBatches:
+  """The training batches of this process's rows: one source's, or a mixture's."""
+  config, train = s.config, s.config.train
+  windows = [(name, weight, data_lib.Windows(prepared.split('train'), train.seq_len,
+                                             config.data.packing))
+             for name, weight, prepared in sources]
+  if len(windows) == 1 and windows[0][0] == '':
+    return data_lib.TokenBatches(windows[0][2], global_batch_size=train.batch_size,
+                                 seed=train.seed, process_index=s.feed[0],
+                                 process_count=s.feed[1])
+  return MixtureBatches(windows, global_batch_size=train.batch_size, seed=train.seed,
+                        process_index=s.feed[0], process_count=s.feed[1])
+
+
+def evaluator(s: Setup, sources: list) -> Evaluator:
+  """The run's validation: each source's evaluation set (a mixture's scored apart)."""
+  return Evaluator(s, [EvalSet(name, weight, eval_set(s, prepared), prepared.bytes_per_token('val'))
+                       for name, weight, prepared in sources])
 
 
 def _global_batch(s: Setup, local: dict, sharding=None) -> dict:
@@ -353,7 +373,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   checkpoints = _open_checkpoints(config, workdir)
   s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
   tokenizer = make_tokenizer(config)
-  data_source.check_path(config.data.path, config.data.tokenizer)
+  data_source.check_data(config.data)
   # The stop handlers (SIGTERM, Ctrl-C) are in place from here: a signal during the compile or
   # the first evaluation, minutes on a large model, stops the run cleanly too.
   with (workdir_lock(workdir, enabled=is_main()),
@@ -376,11 +396,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
         print(continuing)
     elif source is not None:   # and a source whose tensors disagree with the model
       init_from.check_source(s, source)
-    prepared = open_data(config, workdir)   # a glob is prepared into the workdir on first use
-    windows = data_lib.Windows(prepared.split('train'), train.seq_len, config.data.packing)
-    batches = data_lib.TokenBatches(windows, global_batch_size=train.batch_size, seed=train.seed,
-                                    process_index=s.feed[0], process_count=s.feed[1])
-    evaluator = Evaluator(s, eval_set(s, prepared), prepared.bytes_per_token('val'))
+    sources = open_data(config, workdir)   # a glob is prepared into the workdir on first use
+    batches = train_batches(s, sources)
+    scores = evaluator(s, sources)
 
     # 2. Compile the step: its memory is known before the state is allocated.
     compiled, memory = compile_and_report(s)
@@ -405,7 +423,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     # 4. Train, evaluating and checkpointing as the config says.
     end = train_loop(s, compiled, state, start, batches, lambda rows: _global_batch(s, rows),
-                     checkpoints, checkpoint_meta(s), evaluator, workdir, stops)
+                     checkpoints, checkpoint_meta(s), scores, workdir, stops)
     if end.preempted:
       return end.last_eval
 

@@ -8,6 +8,7 @@ SEM = sqrt(sum((s_i - m c_i)^2) / (n (n - 1))) / mean(c), the ratio estimator's;
 is the familiar std(window means) / sqrt(n).
 """
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -55,26 +56,59 @@ def describe(result: dict) -> str:
           f'{result["eval_tokens"]:,} tokens in {result["eval_windows"]} windows)')
 
 
-class Evaluator:
-  """The run's validation: one jitted loop over the fixed evaluation set, placed like the state,
-  and one printed line per evaluation (main process). `evaluator(state, step)` returns the figures."""
+class EvalSet(NamedTuple):
+  """One source's evaluation set: its name ('' for a run's one source), its mixture weight, the
+  batches and the source's input bytes per token."""
+  name: str
+  weight: float
+  batches: dict
+  bytes_per_token: float
 
-  def __init__(self, s, batches: dict, bytes_per_token: float):
+
+def mixed(results: dict[str, dict], weights: dict[str, float]) -> dict:
+  """A mixture's figures: each source's under `<figure>/<name>`, and their mean weighted as the
+  training draws the sources (standard errors combined as independent)."""
+  out = {}
+  for key in ('eval_loss', 'eval_bits_per_byte'):
+    out[key] = sum(weights[n] * r[key] for n, r in results.items())
+    out[key + '_sem'] = math.sqrt(sum((weights[n] * r[key + '_sem']) ** 2
+                                      for n, r in results.items()))
+  out['eval_perplexity'] = math.exp(out['eval_loss'])
+  for key in ('eval_tokens', 'eval_windows'):
+    out[key] = sum(r[key] for r in results.values())
+  for name, result in results.items():
+    out.update({f'{key}/{name}': value for key, value in result.items()})
+  return out
+
+
+class Evaluator:
+  """The run's validation: one jitted loop over the fixed evaluation set of each source, placed
+  like the state, and one printed line per evaluation and source (main process).
+  `evaluator(state, step)` returns the figures (a mixture's: mixed())."""
+
+  def __init__(self, s, sets: list[EvalSet]):
     self._context = s.context
-    self._batches = batches
-    self._bytes_per_token = bytes_per_token
+    self._sets = sets
     with s.context():
       self._loop = jax.jit(make_eval_loop(s.layout.graphdef, s.stack, s.layout.model_shapes),
                            in_shardings=(s.layout.shardings['params'],
                                          s.layout.shardings.get('frozen', {}),
-                                         {k: v.sharding for k, v in batches.items()}),
+                                         {k: v.sharding for k, v in sets[0].batches.items()}),
                            out_shardings=replicated(s.mesh))
 
   def __call__(self, state: dict, step: int) -> dict:
-    with self._context():
-      sums, counts = jax.device_get(self._loop(state['params'], state.get('frozen', {}),
-                                               self._batches))
-    result = figures(sums, counts, self._bytes_per_token)
+    results = {}
+    for one in self._sets:
+      with self._context():
+        sums, counts = jax.device_get(self._loop(state['params'], state.get('frozen', {}),
+                                                 one.batches))
+      results[one.name] = figures(sums, counts, one.bytes_per_token)
+    if len(self._sets) == 1 and self._sets[0].name == '':
+      result = results['']
+    else:
+      result = mixed(results, {one.name: one.weight for one in self._sets})
     if jax.process_index() == 0:
       tqdm.write(f'eval  step {step}: {describe(result)}')
+      for name, one in results.items() if len(results) > 1 or '' not in results else ():
+        tqdm.write(f'      {name}: {describe(one)}')
     return result
