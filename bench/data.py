@@ -4,6 +4,8 @@ corpus size.
   python -m bench.data prepare [--tokenizer=bytes|bpe] [--workers=1,2]   # MB of input per second
   python -m bench.data loader [--batch_size=16 --seq_len=128]             # tokens per second read
   python -m bench.data memory [--sizes_mb=30,300,3000]                    # peak RSS per corpus size
+  python -m bench.data formats [--input_mb=1000] [--workers=1,2]          # MB/s and peak RSS per format
+  python -m bench.data tokenizer [--input_mb=100 --vocab_size=32000]      # BPE training time
 
 `prepare` runs `data.prepare` on the embedded corpus (31.5 MB of the standard library's source) cut
 into groups of 4 MiB, with the byte tokenizer or a 4096-token byte-level BPE trained here on a slice
@@ -13,6 +15,13 @@ the prepared corpus through `TokenBatches`, as a training process does, packed a
 library under distinct names, prepared with the byte tokenizer), then in a fresh process per size
 opens the training batches and reads 200 of them, and reports the process's resident memory:
 private (anonymous) before and after, file-backed (the mapped shards' pages) after, and the peak.
+`formats` writes the same documents (standard-library files, repeated under distinct ids to
+--input_mb of text) as JSON Lines, gzip- and zstd-compressed JSON Lines and Parquet, 16 files each,
+and prepares each format with the byte tokenizer, once per worker count, in a fresh process: input
+MB/s (of the documents' text) and documents/s, and the peak resident memory of the preparing
+processes together (sampled every 50 ms) and of the largest one. `tokenizer` trains a byte-level BPE
+of --vocab_size tokens (python -m data.tokenizer) on --input_mb of that JSON Lines, in a fresh
+process: seconds and peak resident memory.
 Everything is written under --scratch (default a temporary directory) and removed afterwards.
 """
 import argparse
@@ -27,28 +36,16 @@ import time
 
 from data import PreparedData, TokenBatches, Windows
 from data.corpus import list_files
+from data.records import FORMATS
 from data.prepare import prepare
 
 
 def _bpe_tokenizer(directory: str) -> str:
-  """A 4096-token byte-level BPE trained on 4 MB of the corpus; returns its tokenizer.json."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  _, files = list_files('')
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  texts, size = [], 0
-  for path in files[::7]:
-    with open(path, encoding='utf-8', errors='replace') as f:
-      texts.append(f.read())
-    size += len(texts[-1])
-    if size > 4e6:
-      break
-  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  path = os.path.join(directory, 'tokenizer.json')
-  tokenizer.save(path)
-  return path
+  """A 4096-token byte-level BPE trained on 4 MB of the corpus (data/train_tokenizer.py)."""
+  from data.train_tokenizer import train
+  out = os.path.join(directory, 'tokenizer')
+  train('', 4096, out, max_mb=4, progress=False)
+  return out
 
 
 def bench_prepare(scratch: str, tokenizer: str, workers: list[int]) -> list[dict]:
@@ -140,6 +137,106 @@ def bench_memory(scratch: str, sizes_mb: list[float], batch_size: int, seq_len: 
   return rows
 
 
+def _write_formats(directory: str, megabytes: float, files: int = 16) -> int:
+  """The same documents in every record format, `files` files each; returns the documents."""
+  import gzip
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  import zstandard
+  _, paths = list_files('')
+  documents, size = [], 0
+  while size < megabytes * 1e6:
+    for path in paths:
+      with open(path, encoding='utf-8', errors='replace') as f:
+        text = f.read()
+      documents.append({'id': f'{len(documents)}', 'text': text})
+      size += len(text.encode('utf-8'))
+      if size >= megabytes * 1e6:
+        break
+  for fmt in FORMATS[1:]:
+    os.makedirs(os.path.join(directory, fmt))
+  for i in range(files):
+    part = documents[i::files]
+    name = os.path.join(directory, '{}', f'part-{i:02d}.{{}}')
+    lines = ''.join(json.dumps(d) + '\n' for d in part).encode()
+    with open(name.format('jsonl', 'jsonl'), 'wb') as f:
+      f.write(lines)
+    with gzip.open(name.format('jsonl.gz', 'jsonl.gz'), 'wb', compresslevel=6) as f:
+      f.write(lines)
+    with open(name.format('jsonl.zst', 'jsonl.zst'), 'wb') as f:
+      f.write(zstandard.ZstdCompressor(level=3).compress(lines))
+    pq.write_table(pa.Table.from_pylist(part), name.format('parquet', 'parquet'),
+                   row_group_size=1024)
+  return len(documents)
+
+
+def _tree_rss_mb(root: int) -> tuple[float, float]:
+  """(resident MB of `root` and its descendants together, of the largest one), from /proc."""
+  parents, rss = {}, {}
+  for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+      with open(f'/proc/{pid}/status') as f:
+        fields = dict(line.split(':', 1) for line in f)
+    except OSError:
+      continue
+    parents[int(pid)] = int(fields['PPid'])
+    rss[int(pid)] = int(fields.get('VmRSS', '0 kB').split()[0]) / 1024
+  tree = {root}
+  for _ in range(4):   # workers are children of the preparing process: two levels suffice
+    tree |= {pid for pid, parent in parents.items() if parent in tree}
+  sizes = [rss.get(pid, 0.0) for pid in tree]
+  return sum(sizes), max(sizes)
+
+
+def _measured(argv: list[str]) -> dict:
+  """Runs `argv`; its seconds and the peak resident memory of its processes (sampled)."""
+  started = time.perf_counter()
+  child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  total = largest = 0.0
+  while child.poll() is None:
+    together, one = _tree_rss_mb(child.pid)
+    total, largest = max(total, together), max(largest, one)
+    time.sleep(0.05)
+  seconds = time.perf_counter() - started
+  output = child.stdout.read()
+  if child.returncode:
+    raise RuntimeError(f'{" ".join(argv)} failed:\n{output}')
+  return {'seconds': seconds, 'peak_rss_mb': total, 'largest_process_mb': largest,
+          'output': output}
+
+
+def bench_formats(scratch: str, megabytes: float, workers: list[int]) -> list[dict]:
+  documents = _write_formats(scratch, megabytes)
+  rows = []
+  for fmt in FORMATS[1:]:
+    for n in workers:
+      out = os.path.join(scratch, f'prepared-{fmt}-{n}')
+      run = _measured([sys.executable, '-m', 'data.prepare', f'--input={scratch}/{fmt}/*',
+                       f'--out={out}', f'--workers={n}', '--shard_mb=64'])
+      index = PreparedData(out).index
+      size = sum(s['bytes'] for s in index['splits'].values())
+      stored = sum(os.path.getsize(os.path.join(scratch, fmt, f))
+                   for f in os.listdir(os.path.join(scratch, fmt)))
+      assert sum(s['documents'] for s in index['splits'].values()) == documents
+      rows.append({'format': fmt, 'workers': n, 'file_mb': stored / 1e6, 'text_mb': size / 1e6,
+                   'seconds': run['seconds'], 'text_mb_per_s': size / 1e6 / run['seconds'],
+                   'documents_per_s': documents / run['seconds'],
+                   'peak_rss_mb': run['peak_rss_mb'],
+                   'largest_process_mb': run['largest_process_mb']})
+      shutil.rmtree(out)
+  return rows
+
+
+def bench_tokenizer(scratch: str, megabytes: float, vocab_size: int) -> list[dict]:
+  _write_formats(scratch, megabytes, files=4)
+  for fmt in FORMATS[2:]:
+    shutil.rmtree(os.path.join(scratch, fmt))
+  run = _measured([sys.executable, '-m', 'data.tokenizer', f'--input={scratch}/jsonl/*',
+                   f'--vocab_size={vocab_size}', f'--out={scratch}/tokenizer'])
+  return [{'input_mb': megabytes, 'vocab_size': vocab_size, 'seconds': run['seconds'],
+           'peak_rss_mb': run['peak_rss_mb'], 'printed': run['output'].strip().splitlines()[-1]}]
+
+
 def _table(rows: list[dict]) -> str:
   keys = list(rows[0])
   fmt = lambda v: f'{v:.3g}' if isinstance(v, float) else str(v)
@@ -149,19 +246,26 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m bench.data', description=__doc__.split('\n')[0])
-  parser.add_argument('what', choices=('prepare', 'loader', 'memory'))
+  parser.add_argument('what', choices=('prepare', 'loader', 'memory', 'formats', 'tokenizer'))
   parser.add_argument('--tokenizer', default='bytes', choices=('bytes', 'bpe'))
   parser.add_argument('--workers', default='1,2')
   parser.add_argument('--batch_size', type=int, default=16)
   parser.add_argument('--seq_len', type=int, default=128)
   parser.add_argument('--steps', type=int, default=500)
   parser.add_argument('--sizes_mb', default='30,300,3000')
+  parser.add_argument('--input_mb', type=float, default=None,
+                      help='formats: MB of text per format (default 1000); tokenizer: (100)')
+  parser.add_argument('--vocab_size', type=int, default=32000)
   parser.add_argument('--scratch', default=None)
   args = parser.parse_args(argv)
   scratch = tempfile.mkdtemp(dir=args.scratch)
   try:
     if args.what == 'prepare':
       rows = bench_prepare(scratch, args.tokenizer, [int(n) for n in args.workers.split(',')])
+    elif args.what == 'formats':
+      rows = bench_formats(scratch, args.input_mb or 1000, [int(n) for n in args.workers.split(',')])
+    elif args.what == 'tokenizer':
+      rows = bench_tokenizer(scratch, args.input_mb or 100, args.vocab_size)
     elif args.what == 'loader':
       rows = bench_loader(scratch, args.batch_size, args.seq_len, args.steps)
     else:

@@ -49,7 +49,7 @@ from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha25
                         write_atomic, write_json)
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
                           describe_bad_records, documents, file_format, merge_bad_records,
-                          parse_delimiter)
+                          parse_delimiter, text_blocks)
 from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
@@ -167,31 +167,6 @@ def changed_input(inputs: dict) -> str | None:
 
 # ---- one group: tokenize its documents into one shard per split --------------------------------
 
-def _pieces(path: str, start: int, stop: int, tokenizer):
-  """The document's bytes in pieces of about READ_BYTES. A Hugging Face tokenizer gets pieces cut
-  after a newline (tokens do not span lines in byte-level BPE; a line longer than a piece is cut
-  where the piece ends); the byte tokenizer any cut."""
-  cut_at_newline = not isinstance(tokenizer, ByteTokenizer)
-  carry = b''
-  with open(path, 'rb') as f:
-    f.seek(start)
-    left = stop - start
-    while left > 0 or carry:
-      block = f.read(min(READ_BYTES, left)) if left > 0 else b''
-      left -= len(block)
-      data = carry + block
-      if cut_at_newline and left > 0:
-        end = data.rfind(b'\n') + 1
-        if 0 < end < len(data):
-          data, carry = data[:end], data[end:]
-        else:
-          carry = b''
-      else:
-        carry = b''
-      if data:
-        yield data
-
-
 NUL_REASON = ('a NUL byte, which the byte tokenizer keeps for document boundaries (id 0): not '
               'text it can prepare')
 
@@ -269,7 +244,7 @@ class _Group:
     writer = self.writers[split]
     writer.start_document(stop - start)
     self._marker(writer, self.tokenizer.bos_id)
-    for piece in _pieces(path, start, stop, self.tokenizer):
+    for piece in text_blocks(path, start, stop, cut_at_newline=not self.is_bytes):
       writer.put(self.tokenizer.encode(piece))
     self._marker(writer, self.tokenizer.eos_id)
 

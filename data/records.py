@@ -31,14 +31,13 @@ import zlib
 from typing import Callable, Iterator, NamedTuple
 
 from data.corpus import DataError
+from data.files import READ_BYTES
 
 FORMATS = ('text', 'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet')
 ON_BAD_RECORD = ('fail', 'skip')
 # Places kept per reason under `skip`.
 FIRST_PLACES = 5
-# Input bytes read at once from a text file, and Parquet rows decoded at once.
-BLOCK_BYTES = 8 << 20
-PARQUET_ROWS = 1024
+PARQUET_ROWS = 1024   # rows decoded at once
 
 
 def file_format(path: str) -> str:
@@ -89,8 +88,8 @@ class BadRecords:
 
   def add(self, reason: str, place: str) -> None:
     if self.on_bad_record == 'fail':
-      raise DataError(f'{place}: {reason}; fix or remove the record, or prepare with '
-                      '--on_bad_record=skip to skip bad records (counted in the index)')
+      raise DataError(f'{place}: {reason}; fix or remove the record, or give '
+                      '--on_bad_record=skip to skip bad records (each reason counted)')
     entry = self.reasons.setdefault(reason, {'count': 0, 'first': []})
     entry['count'] += 1
     if len(entry['first']) < FIRST_PLACES:
@@ -173,7 +172,7 @@ def _count_lines(path: str, offset: int) -> int:
   count = 0
   with open(path, 'rb') as f:
     while offset > 0:
-      block = f.read(min(BLOCK_BYTES, offset))
+      block = f.read(min(READ_BYTES, offset))
       if not block:
         break
       count += block.count(b'\n')
@@ -264,7 +263,7 @@ def _delimited(path, delimiter, bad, name):
     return Document(str(ordinal), text, place) if text.strip() else None
 
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(BLOCK_BYTES), b''):
+    for block in iter(lambda: f.read(READ_BYTES), b''):
       parts = (carry + block).split(separator)
       carry = parts.pop()
       for part in parts:
@@ -272,6 +271,27 @@ def _delimited(path, delimiter, bad, name):
           yield doc
   if (doc := document(carry)) is not None:
     yield doc
+
+
+def text_blocks(path: str, start: int, stop: int, cut_at_newline: bool) -> Iterator[bytes]:
+  """The bytes [start, stop) of a file in blocks of about READ_BYTES. `cut_at_newline`: blocks
+  end after a newline (for a BPE tokenizer: its tokens do not span lines; a line longer than a
+  block is cut where the block ends); else anywhere (the byte tokenizer)."""
+  carry = b''
+  with open(path, 'rb') as f:
+    f.seek(start)
+    left = stop - start
+    while left > 0 or carry:
+      block = f.read(min(READ_BYTES, left)) if left > 0 else b''
+      left -= len(block)
+      data = carry + block
+      carry = b''
+      if cut_at_newline and left > 0:
+        end = data.rfind(b'\n') + 1
+        if 0 < end < len(data):
+          data, carry = data[:end], data[end:]
+      if data:
+        yield data
 
 
 def check_parquet_columns(paths: list[str], reading: Reading, root: str) -> None:

@@ -7,6 +7,9 @@ has no spare id below 256 (the byte presets' vocabulary), so it marks both ends 
 byte, which text never contains; preparing a file that holds a NUL byte is refused. A Hugging Face
 tokenizer uses the `bos_token` / `eos_token` of the `tokenizer_config.json` beside it; a tokenizer
 without them marks nothing (documents are still kept apart by segment ids when packed).
+
+`python -m data.tokenizer --input=GLOB --vocab_size=N --out=DIR` trains a byte-level BPE on a corpus
+(data/train_tokenizer.py).
 """
 import hashlib
 import json
@@ -102,3 +105,9 @@ def make_tokenizer(spec: str):
   """`data.tokenizer`: 'bytes' (the default byte-level tokenizer) or a tokenizer.json path / a
   Hugging Face checkpoint directory holding one. ValueError in one line for a bad one."""
   return ByteTokenizer() if spec in ('', 'bytes') else HFTokenizer(spec)
+
+
+if __name__ == '__main__':   # python -m data.tokenizer: trains one on a corpus
+  import sys
+  from data.train_tokenizer import main
+  sys.exit(main())

@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from data import (IGNORED, ByteTokenizer, DataError, PreparedData, TokenBatches, Windows,
+from data.tokenizer import ByteTokenizer
+from data import (IGNORED, DataError, PreparedData, TokenBatches, Windows,
                   eval_batches, eval_window_indices, list_files, split_files)
 from data.corpus import hash_fraction
 from data.files import read_json, write_json

@@ -22,6 +22,28 @@ class ConfigError(ValueError):
   pass
 
 
+# A vocabulary taken from a tokenizer is padded to a multiple of this (as Megatron-LM's
+# --make-vocab-size-divisible-by): it splits evenly over tensor-parallel ways up to 128, and keeps
+# the embedding's and head's matmuls on aligned shapes.
+VOCAB_MULTIPLE = 128
+
+
+def follow_tokenizer(config, tokenizer_vocab: int):
+  """`config` with `model.vocab_size` set to the tokenizer's vocabulary padded to VOCAB_MULTIPLE,
+  where the run uses a tokenizer of its own (`data.tokenizer` not 'bytes') and imports no model
+  (`init_from` empty: an imported model keeps its vocabulary). The byte tokenizer keeps the
+  preset's vocabulary, so that the presets keep the shapes of the models they are named after.
+  Returns a changed copy, or `config` itself."""
+  if config.data.tokenizer in ('', 'bytes') or config.get('init_from', ''):
+    return config
+  padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  if config.model.vocab_size == padded:
+    return config
+  config = config.copy_and_resolve_references()
+  config.model.vocab_size = padded
+  return config
+
+
 def model_config(config) -> ModelConfig:
   try:
     return ModelConfig.from_config(config.model)

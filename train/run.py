@@ -84,6 +84,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   """Validate and lay out everything; allocates nothing. `devices`: default all of them.
   `stored_block_axes`: how a checkpoint's 8-bit moments are blocked (they keep that blocking on
   any mesh: re-blocking would change their values)."""
+  tokenizer_vocab = make_tokenizer(config).vocab_size
+  config = checks.follow_tokenizer(config, tokenizer_vocab)
   spec = checks.model_spec(config)
   model, policy = spec.config, spec.policy
   try:
@@ -95,8 +97,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   except ValueError as e:
     raise checks.ConfigError(str(e)) from None
   checks.check_config(config, data_parallel=data_parallel_size(mesh), process_count=feed[1],
-                      tokenizer_vocab=make_tokenizer(config).vocab_size,
-                      context=mesh.shape['context'])
+                      tokenizer_vocab=tokenizer_vocab, context=mesh.shape['context'])
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
   checks.offload(config, stages=mesh.shape['stage'])

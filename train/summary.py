@@ -19,7 +19,7 @@ def print_summary(s, memory: dict) -> None:
   print(f'devices     {len(devices)} x {devices[0].platform} in {jax.process_count()} process(es); '
         f'mesh {dict(s.mesh.shape)}')
   print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
-        f'd_model {s.model.d_model}, remat {s.model.remat}')
+        f'd_model {s.model.d_model}, vocabulary {s.model.vocab_size:,}, remat {s.model.remat}')
   adapters = s.spec.adapters
   if adapters is not None:
     storage = s.spec.base_format or f'{jax.numpy.dtype(s.policy.compute_dtype).name} matrices'

@@ -1,0 +1,263 @@
+"""Real corpora (data/records.py, data/prepare.py, data/train_tokenizer.py, data/mixture.py): JSON
+Lines plain and compressed, Parquet and delimited text prepared into the documents they hold; bad
+records refused in one line or skipped and counted; a BPE tokenizer trained and used by a run;
+mixtures drawn in their proportions, resumed exactly, scored per source."""
+import gzip
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from data import DataError, PreparedData
+from data.mixture import PERIOD, MixtureBatches, parse, shares
+from data.prepare import main as prepare_main, prepare
+from data.records import Reading, parse_delimiter
+from data.tokenizer import HFTokenizer
+from data.train_tokenizer import train as train_tokenizer
+from data.windows import Windows
+from tests.helpers import tiny_config
+from tests.test_run import losses_by_step, read_metrics
+from train import run
+
+
+def texts(count: int, seed: int) -> list[str]:
+  """Documents of a few hundred bytes, some with non-ASCII text."""
+  rng = np.random.default_rng(seed)
+  words = ['def', 'return', 'the', 'data', 'é', 'ünï', '日本', 'x', '=', '(', ')', '\n']
+  return [' '.join(rng.choice(words, size=int(rng.integers(20, 120)))) for _ in range(count)]
+
+
+def write_jsonl(path, records: list, compress: str = '') -> None:
+  data = ''.join(json.dumps(r) + '\n' for r in records).encode()
+  if compress == 'gz':
+    data = gzip.compress(data)
+  elif compress == 'zst':
+    data = zstandard.ZstdCompressor().compress(data)
+  path.write_bytes(data)
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  """One directory of every format, 240 documents in all; returns (directory, every text)."""
+  root = tmp_path_factory.mktemp('corpus')
+  docs = texts(240, seed=0)
+  write_jsonl(root / 'a.jsonl', [{'text': t, 'id': i} for i, t in enumerate(docs[:60])])
+  write_jsonl(root / 'b.jsonl.gz', [{'text': t} for t in docs[60:120]], 'gz')
+  write_jsonl(root / 'c.jsonl.zst', [{'text': t} for t in docs[120:160]], 'zst')
+  pq.write_table(pa.table({'text': docs[160:200], 'n': list(range(40))}), root / 'd.parquet',
+                 row_group_size=7)
+  (root / 'e.txt').write_text('<|endoftext|>'.join(docs[200:240]) + '<|endoftext|>')
+  return root, docs
+
+
+def stored_documents(out) -> list[bytes]:
+  """Every document a byte-tokenized preparation holds (markers removed), train then val."""
+  prepared = PreparedData(str(out))
+  found = []
+  for split in ('train', 'val'):
+    shards = prepared.split(split)
+    for shard in range(len(shards)):
+      tokens = np.asarray(shards.shard_tokens(shard))
+      bounds = list(shards.document_starts(shard)) + [len(tokens)]
+      found += [bytes(tokens[a + 1:b - 1].astype(np.uint8)) for a, b in zip(bounds, bounds[1:])]
+  return found
+
+
+def test_every_format_prepares_into_the_documents_it_holds(corpus, tmp_path):
+  root, docs = corpus
+  out = tmp_path / 'out'
+  assert prepare_main([f'--input={root}/*', '--text_field=text', '--tokenizer=bytes',
+                       f'--out={out}', '--document_delimiter=<|endoftext|>',
+                       '--val_fraction=0.2']) == 0
+  assert sorted(stored_documents(out)) == sorted(t.encode() for t in docs)
+  index = json.loads((out / 'index.json').read_text())
+  assert index['splits']['val']['documents'] > 0 and 'bad_records' not in index
+  # Input bytes are the documents' UTF-8 bytes (bits per byte compares across formats).
+  assert index['splits']['train']['bytes'] + index['splits']['val']['bytes'] == \
+      sum(len(t.encode()) for t in docs)
+
+  # A JSON Lines file cut into pieces for several workers holds the same documents on the same
+  # sides (each document's side is a hash of its file and its place in it, not of the piece).
+  (tmp_path / 'one').mkdir()
+  shutil.copy(root / 'a.jsonl', tmp_path / 'one' / 'a.jsonl')
+  whole, cut = tmp_path / 'whole', tmp_path / 'cut'
+  prepare(str(tmp_path / 'one' / '*'), 'bytes', str(whole), val_fraction=0.2, progress=False)
+  plan_mb = os.path.getsize(root / 'a.jsonl') / 5 / 2**20
+  prepare(str(tmp_path / 'one' / '*'), 'bytes', str(cut), val_fraction=0.2, shard_mb=plan_mb,
+          workers=2, progress=False)
+  assert len(json.loads((cut / 'plan.json').read_text())['groups']) == 5
+  for split in ('train', 'val'):
+    assert (sorted(_split_docs(whole, split)) == sorted(_split_docs(cut, split)))
+
+
+def _split_docs(out, split):
+  shards = PreparedData(str(out)).split(split)
+  docs = []
+  for shard in range(len(shards)):
+    tokens = bytes(np.asarray(shards.shard_tokens(shard)).astype(np.uint8))
+    docs += tokens.split(b'\x00')
+  return [d for d in docs if d]
+
+
+def test_a_dotted_field_reaches_into_objects(tmp_path):
+  write_jsonl(tmp_path / 'a.jsonl', [{'meta': {'body': 'first'}}, {'meta': {'body': 'second'}}])
+  pq.write_table(pa.table({'meta': [{'body': 'third'}, {'body': 'fourth'}]}),
+                 tmp_path / 'b.parquet')
+  out = tmp_path / 'out'
+  prepare(str(tmp_path / '*'), 'bytes', str(out), reading=Reading('meta.body'), val_fraction=0.5,
+          progress=False)
+  assert sorted(stored_documents(out)) == [b'first', b'fourth', b'second', b'third']
+  with pytest.raises(DataError, match=r"b.parquet has no column 'body'.*columns: meta"):
+    prepare(str(tmp_path / '*'), 'bytes', str(tmp_path / 'x'), reading=Reading('body'),
+            progress=False)
+  assert not (tmp_path / 'x').exists()
+  assert parse_delimiter(r'\n\n') == '\n\n' and parse_delimiter('<|endoftext|>') == '<|endoftext|>'
+
+
+BAD = [{'text': 'good one'}, 'not json {', {'title': 'no text'}, {'text': 7},
+       {'text': 'nul \x00 inside'}, {'text': 'good two'}]
+
+
+def _write_bad(path):
+  lines = [r if isinstance(r, str) else json.dumps(r) for r in BAD]
+  path.write_bytes(('\n'.join(lines) + '\n').encode() + b'{"text": "\xff\xfe"}\n')
+
+
+def test_a_bad_record_stops_preparation_naming_file_line_and_reason(tmp_path):
+  (tmp_path / 'in').mkdir()
+  _write_bad(tmp_path / 'in' / 'bad.jsonl')
+  write_jsonl(tmp_path / 'in' / 'good.jsonl.gz', [{'text': t} for t in texts(30, 1)], 'gz')
+  out = tmp_path / 'out'
+  with pytest.raises(DataError) as info:
+    prepare(str(tmp_path / 'in' / '*'), 'bytes', str(out), workers=2, shard_mb=1e-4,
+            progress=False)
+  message = str(info.value)
+  assert '\n' not in message and 'bad.jsonl line 2: invalid JSON' in message
+  # Nothing half-written is left as if complete: no index, no record of the bad group, no
+  # temporary file; the good group may be finished (kept for the resume).
+  names = os.listdir(out)
+  assert 'index.json' not in names and not any('.tmp' in n for n in names)
+  assert not any(n.startswith('group-') and json.loads((out / n).read_text())['inputs'].get(
+      'bad.jsonl') for n in names)
+  with pytest.raises(SystemExit):   # the same refusal from the command line, as one line
+    prepare_main([f'--input={tmp_path}/in/*', f'--out={out}', '--on_bad_record=maybe'])
+
+  # The same command with skip finishes it; every reason counted, with its first place.
+  prepare(str(tmp_path / 'in' / '*'), 'bytes', str(out), workers=2, shard_mb=1e-4,
+          on_bad_record='skip', progress=False)
+  bad = json.loads((out / 'index.json').read_text())['bad_records']
+  where = {reason.split(' (')[0]: entry['first'] for reason, entry in bad.items()}
+  assert all(entry['count'] == 1 for entry in bad.values())
+  assert where == {'invalid JSON': [f'{tmp_path}/in/bad.jsonl line 2'],
+                   "no field 'text'": [f'{tmp_path}/in/bad.jsonl line 3'],
+                   "field 'text' is a int, not a string": [f'{tmp_path}/in/bad.jsonl line 4'],
+                   'a NUL byte, which the byte tokenizer keeps for document boundaries':
+                       [f'{tmp_path}/in/bad.jsonl line 5'],
+                   'bytes that are not UTF-8': [f'{tmp_path}/in/bad.jsonl line 7']}
+  assert {b'good one', b'good two'} <= set(stored_documents(out))
+
+
+def test_a_cut_compressed_file_is_a_bad_record(tmp_path):
+  data = gzip.compress(''.join(json.dumps({'text': t}) + '\n' for t in texts(50, 2)).encode())
+  (tmp_path / 'cut.jsonl.gz').write_bytes(data[:len(data) // 2])
+  with pytest.raises(DataError, match='cut.jsonl.gz after line .*: the compressed stream is cut'):
+    prepare(str(tmp_path / '*.gz'), 'bytes', str(tmp_path / 'a'), progress=False)
+  index = prepare(str(tmp_path / '*.gz'), 'bytes', str(tmp_path / 'b'), on_bad_record='skip',
+                  val_fraction=0.5, progress=False)
+  [reason] = index['bad_records']
+  assert reason.startswith('the compressed stream is cut short')
+  assert 0 < index['splits']['train']['documents'] + index['splits']['val']['documents'] < 50
+
+
+def test_a_trained_tokenizer_round_trips_and_a_run_takes_its_vocabulary(corpus, tmp_path):
+  root, docs = corpus
+  tokenizer_dir = tmp_path / 'tok'
+  summary = train_tokenizer(f'{root}/*.jsonl*', 300, str(tokenizer_dir), progress=False)
+  # (Up to 300: merging stops where no pair of this small vocabulary occurs twice.)
+  assert 258 < summary['vocab_size'] <= 300 and summary['documents'] == 160
+  tokenizer = HFTokenizer(str(tokenizer_dir))
+  assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (summary['vocab_size'], 0, 1)
+  for text in docs[:5]:   # byte-level BPE: any text encodes and decodes exactly, in fewer tokens
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text and len(ids) < len(text.encode())
+  with pytest.raises(DataError, match='is not empty'):
+    train_tokenizer(f'{root}/*.jsonl*', 300, str(tokenizer_dir), progress=False)
+  with pytest.raises(DataError, match='at least 258'):
+    train_tokenizer(f'{root}/*.jsonl*', 100, str(tmp_path / 'small'), progress=False)
+
+  # A run on a glob of JSON Lines (prepared into its cache with the tokenizer): the model's
+  # vocabulary is the tokenizer's, padded to 384.
+  workdir = tmp_path / 'run'
+  run.train_and_evaluate(tiny_config(**{
+      'train.steps': 2, 'data.path': f'{root}/*.jsonl*', 'data.tokenizer': str(tokenizer_dir),
+      'data.val_fraction': 0.2}), str(workdir))
+  assert json.loads((workdir / 'config.json').read_text())['model']['vocab_size'] == 384
+  [row] = [r for r in read_metrics(workdir) if r.get('step') == 2 and 'eval_loss' in r]
+  assert row['eval_loss'] < np.log(384)
+
+
+def test_a_mixture_is_parsed_or_refused_in_one_line():
+  parts = parse('code=0.7:/a,prose=0.3:/b/*.jsonl')
+  assert [(p.name, round(p.weight, 6), p.path) for p in parts] == [
+      ('code', 0.7, '/a'), ('prose', 0.3, '/b/*.jsonl')]
+  assert parse('/data/*.jsonl') is None and parse('') is None
+  for bad, why in (('code=0.7:/a,/b', 'is not NAME=WEIGHT:PATH'),
+                   ('a=1:/a,a=2:/b', 'names a source twice'),
+                   ('a=0:/a,b=1:/b', 'positive number')):
+    with pytest.raises(DataError, match=why):
+      parse(bad)
+  assert shares([0.7, 0.3]).tolist() == [2867, 1229] and shares([1 / 3] * 3).sum() == PERIOD
+
+
+def test_a_mixture_draws_its_proportions_from_the_step_alone(corpus, tmp_path):
+  root, _ = corpus
+  sources = []
+  for name, pattern in (('a', 'a.jsonl'), ('b', 'b.jsonl.gz')):
+    out = tmp_path / name
+    prepare(str(root / pattern), 'bytes', str(out), val_fraction=0.2, progress=False)
+    sources.append((name, 0.75 if name == 'a' else 0.25,
+                    Windows(PreparedData(str(out)).split('train'), 32, True)))
+  whole = MixtureBatches(sources, global_batch_size=8, seed=3)
+  draws = [whole.draws(step) for step in range(PERIOD // 8)]
+  rows = [source for step in draws for source, _ in step]
+  assert rows.count(0) == 3072 and rows.count(1) == 1024   # exact over a period
+  for source in (0, 1):   # each source's draws are numbered 0, 1, 2, ... in row order
+    assert [n for step in draws for s, n in step if s == source] == list(range(rows.count(source)))
+  # Two processes feed the rows of the same global batches; a state resumes the same stream.
+  halves = [MixtureBatches(sources, global_batch_size=8, seed=3, process_index=p,
+                           process_count=2) for p in (0, 1)]
+  first = [next(whole) for _ in range(3)]
+  for step in range(3):
+    parts = [next(h) for h in halves]
+    joined = {k: np.concatenate([part[k] for part in parts]) for k in first[step]}
+    assert all(np.array_equal(joined[k], first[step][k]) for k in joined)
+  resumed = MixtureBatches(sources, global_batch_size=8, seed=3)
+  resumed.set_state(json.loads(json.dumps(whole.get_state())))
+  again, expected = next(resumed), next(whole)
+  assert all(np.array_equal(again[k], v) for k, v in expected.items())
+  with pytest.raises(DataError, match='same mixture'):
+    MixtureBatches(sources, global_batch_size=8, seed=4).set_state(whole.get_state())
+
+
+def test_a_mixture_trains_resumes_exactly_and_is_scored_per_source(corpus, tmp_path):
+  root, _ = corpus
+  code = tmp_path / 'code'
+  prepare(str(root / 'a.jsonl'), 'bytes', str(code), val_fraction=0.2, progress=False)
+  # One prepared directory, one glob that the run prepares into its cache.
+  mixture = f'code=0.7:{code},prose=0.3:{root}/*.parquet'
+  config = tiny_config(**{'train.steps': 4, 'train.checkpoint_every': 2, 'train.log_every': 1,
+                          'train.eval_every': 4, 'data.path': mixture, 'data.val_fraction': 0.2})
+  straight = tmp_path / 'straight'
+  run.train_and_evaluate(config, str(straight))
+  resumed = tmp_path / 'resumed'
+  shutil.copytree(straight, resumed)
+  shutil.rmtree(resumed / 'checkpoints' / '4')
+  run.train_and_evaluate(config, str(resumed))
+  assert losses_by_step(resumed) == losses_by_step(straight)
+  [last] = [r for r in read_metrics(straight) if r.get('step') == 4 and 'eval_loss' in r]
+  assert np.isclose(last['eval_loss'], 0.7 * last['eval_loss/code'] + 0.3 * last['eval_loss/prose'])
