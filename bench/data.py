@@ -6,6 +6,7 @@ corpus size.
   python -m bench.data memory [--sizes_mb=30,300,3000]                    # peak RSS per corpus size
   python -m bench.data formats [--input_mb=1000] [--workers=1,2]          # MB/s and peak RSS per format
   python -m bench.data tokenizer [--input_mb=100 --vocab_size=32000]      # BPE training time
+  python -m bench.data curves --runs=W1,W2 [--chart=PNG]                  # loss in bits per byte
 
 `prepare` runs `data.prepare` on the embedded corpus (31.5 MB of the standard library's source) cut
 into groups of 4 MiB, with the byte tokenizer or a 4096-token byte-level BPE trained here on a slice
@@ -22,6 +23,10 @@ MB/s (of the documents' text) and documents/s, and the peak resident memory of t
 processes together (sampled every 50 ms) and of the largest one. `tokenizer` trains a byte-level BPE
 of --vocab_size tokens (python -m data.tokenizer) on --input_mb of that JSON Lines, in a fresh
 process: seconds and peak resident memory.
+`curves` reads finished runs' metrics.jsonl (e.g. one with the byte tokenizer, one with a BPE, on
+the same data) and puts their losses on one scale, bits per byte of input text: the training loss
+every log step through the train split's bytes per token, the validation loss as evaluated; with
+--chart, a PNG of both against steps and against input bytes seen.
 Everything is written under --scratch (default a temporary directory) and removed afterwards.
 """
 import argparse
@@ -33,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 from data import PreparedData, TokenBatches, Windows
 from data.corpus import list_files
@@ -237,6 +244,64 @@ def bench_tokenizer(scratch: str, megabytes: float, vocab_size: int) -> list[dic
            'peak_rss_mb': run['peak_rss_mb'], 'printed': run['output'].strip().splitlines()[-1]}]
 
 
+def _run_curve(workdir: str) -> dict:
+  """A finished run's losses in bits per byte (see `curves`)."""
+  import glob
+  import math
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    config = json.load(f)
+  path = config['data']['path']
+  index = os.path.join(path, 'index.json') if os.path.isdir(path) else \
+      glob.glob(os.path.join(workdir, 'data', '*', 'index.json'))[0]
+  prepared = PreparedData(os.path.dirname(index))
+  per_token = prepared.bytes_per_token('train')
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    rows = [json.loads(line) for line in f]
+  tokens_per_step = config['train']['batch_size'] * config['train']['seq_len']
+  return {'run': workdir, 'tokenizer': config['data']['tokenizer'],
+          'vocab_size': config['model']['vocab_size'], 'train_bytes_per_token': per_token,
+          'train': [(r['step'], r['loss'] / math.log(2) / per_token) for r in rows if 'loss' in r],
+          'eval': [(r['step'], r['eval_bits_per_byte'], r['eval_bits_per_byte_sem'])
+                   for r in rows if 'eval_bits_per_byte' in r],
+          'bytes_per_step': tokens_per_step * per_token,
+          'tokens_per_s': float(np.median([r['tokens_per_sec'] for r in rows
+                                           if 'tokens_per_sec' in r]))}
+
+
+def bench_curves(workdirs: list[str], chart: str | None) -> list[dict]:
+  curves = [_run_curve(w) for w in workdirs]
+  rows = []
+  for c in curves:
+    for step, bits, sem in c['eval']:
+      train = [b for s, b in c['train'] if s == step]
+      rows.append({'run': os.path.basename(c['run']), 'vocab': c['vocab_size'], 'step': step,
+                   'input_mb_seen': step * c['bytes_per_step'] / 1e6,
+                   'train_bits_per_byte': train[0] if train else float('nan'),
+                   'eval_bits_per_byte': bits, 'eval_sem': sem,
+                   'text_kb_per_s': c['tokens_per_s'] * c['train_bytes_per_token'] / 1e3})
+  if chart:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for c in curves:
+      label = f'{os.path.basename(c["run"])} (vocabulary {c["vocab_size"]:,})'
+      steps, bits = zip(*c['train'])
+      axes[0].plot(steps, bits, label=label)
+      axes[1].plot([s * c['bytes_per_step'] / 1e6 for s in steps], bits, label=label)
+      for ax, scale in ((axes[0], 1), (axes[1], c['bytes_per_step'] / 1e6)):
+        ax.errorbar([s * scale for s, _, _ in c['eval']], [b for _, b, _ in c['eval']],
+                    yerr=[e for _, _, e in c['eval']], fmt='o', color=ax.lines[-1].get_color())
+    axes[0].set_xlabel('step')
+    axes[1].set_xlabel('input text seen (MB)')
+    axes[0].set_ylabel('loss (bits per byte; dots: validation)')
+    axes[0].set_ylim(top=4)
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(chart, dpi=100)
+  return rows
+
+
 def _table(rows: list[dict]) -> str:
   keys = list(rows[0])
   fmt = lambda v: f'{v:.3g}' if isinstance(v, float) else str(v)
@@ -246,7 +311,8 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m bench.data', description=__doc__.split('\n')[0])
-  parser.add_argument('what', choices=('prepare', 'loader', 'memory', 'formats', 'tokenizer'))
+  parser.add_argument('what', choices=('prepare', 'loader', 'memory', 'formats', 'tokenizer',
+                                       'curves'))
   parser.add_argument('--tokenizer', default='bytes', choices=('bytes', 'bpe'))
   parser.add_argument('--workers', default='1,2')
   parser.add_argument('--batch_size', type=int, default=16)
@@ -256,6 +322,8 @@ def main(argv=None) -> None:
   parser.add_argument('--input_mb', type=float, default=None,
                       help='formats: MB of text per format (default 1000); tokenizer: (100)')
   parser.add_argument('--vocab_size', type=int, default=32000)
+  parser.add_argument('--runs', default='', help='curves: finished runs\' workdirs, comma-separated')
+  parser.add_argument('--chart', default=None, help='curves: a PNG to write')
   parser.add_argument('--scratch', default=None)
   args = parser.parse_args(argv)
   scratch = tempfile.mkdtemp(dir=args.scratch)
@@ -264,6 +332,8 @@ def main(argv=None) -> None:
       rows = bench_prepare(scratch, args.tokenizer, [int(n) for n in args.workers.split(',')])
     elif args.what == 'formats':
       rows = bench_formats(scratch, args.input_mb or 1000, [int(n) for n in args.workers.split(',')])
+    elif args.what == 'curves':
+      rows = bench_curves(args.runs.split(','), args.chart)
     elif args.what == 'tokenizer':
       rows = bench_tokenizer(scratch, args.input_mb or 100, args.vocab_size)
     elif args.what == 'loader':

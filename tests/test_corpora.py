@@ -214,6 +214,15 @@ def test_a_mixture_is_parsed_or_refused_in_one_line():
   assert shares([0.7, 0.3]).tolist() == [2867, 1229] and shares([1 / 3] * 3).sum() == PERIOD
 
 
+def test_bad_data_settings_are_refused_before_anything_is_written(tmp_path):
+  for key, value, why in (('data.on_bad_record', 'maybe', 'allowed: fail, skip'),
+                          ('data.text_field', 'meta.', 'dotted path'),
+                          ('data.path', f'a=1:{tmp_path}/none/*.jsonl', 'matches no files')):
+    with pytest.raises(DataError, match=why) as info:
+      run.dry_run(tiny_config(**{key: value}), str(tmp_path / 'w'))
+    assert '\n' not in str(info.value) and not (tmp_path / 'w').exists()
+
+
 def test_a_mixture_draws_its_proportions_from_the_step_alone(corpus, tmp_path):
   root, _ = corpus
   sources = []
