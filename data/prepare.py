@@ -1,14 +1,20 @@
 """Preparing a corpus once: tokenized, memory-mapped shards plus an index.
 
   python -m data.prepare --input='corpus/**/*.txt' --tokenizer=bytes --out=prepared/ [--workers=N]
+  python -m data.prepare --input='dump/*' --text_field=text --out=prepared/ [--on_bad_record=skip]
 
-A document is a file (or, where the split falls back to cutting every file, data/corpus.py, each
-file's train part and its validation part). Documents go to train or validation by the hash of
-their path; each split's are grouped, in path order, into groups of about `--shard_mb` MiB of
-input (a larger document makes a group of its own). One worker process tokenizes one group,
-streaming each document through the tokenizer in pieces (its memory is bounded whatever the size
-of a file), into `train-NNNNN.bin` or `val-NNNNN.bin`: the token ids as uint16 when the
-vocabulary fits, else uint32, every document stored as [bos] + tokens + [eos] (data/tokenizer.py).
+What a file holds is data/records.py's: a text file is one document (or, where the split falls
+back to cutting every file, data/corpus.py, its train part and its validation part), and goes to
+train or validation by the hash of its path; a JSON Lines or Parquet file, or a text file cut at
+`--document_delimiter`, holds many, each sent to a side by the hash of its file and its place in
+it. Files are grouped, in path order, into groups of about `--shard_mb` MiB of input (a larger
+file makes a group of its own; an uncompressed JSON Lines file larger than that is cut into
+byte ranges, each a group). One worker process tokenizes one group, streaming (its memory is
+bounded whatever the size of a file), into `train-NNNNN.bin` and `val-NNNNN.bin`: the token ids
+as uint16 when the vocabulary fits, else uint32, every document stored as [bos] + tokens + [eos]
+(data/tokenizer.py). A bad record stops the preparation (`--on_bad_record=fail`, one line naming
+file, line and reason; the group's files are removed, nothing is recorded as done) or is skipped
+and counted per reason in its group's record and the index (`skip`).
 Beside each `.bin`, `.docs.npy` holds the offset of every document in it; `group-NNNNN.json`
 records the fingerprints of the group's inputs and, for every shard it wrote, its tokens,
 documents, input bytes and the sha256 of its two files. `index.json`, written last, names the
@@ -277,13 +283,12 @@ class _Group:
       encoded = [np.frombuffer(data, np.uint8) for _, _, data in batch]
     else:
       encoded = self.tokenizer.encode_batch([text for _, text, _ in batch])
+    bos, eos = (np.asarray([] if m is None else [m], np.int64)
+                for m in (self.tokenizer.bos_id, self.tokenizer.eos_id))
     for (split, _, data), ids in zip(batch, encoded):
       writer = self.writers[split]
       writer.start_document(len(data))
-      markers = [[m] if m is not None else [] for m in (self.tokenizer.bos_id,
-                                                        self.tokenizer.eos_id)]
-      writer.put(np.concatenate([np.asarray(markers[0], np.int64), ids,
-                                 np.asarray(markers[1], np.int64)]))
+      writer.put(np.concatenate([bos, ids, eos]))
 
   @staticmethod
   def _marker(writer: _ShardWriter, token: int | None) -> None:

@@ -66,9 +66,8 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
              allow_pure_bf16: bool = False) -> str:
   """Returns the path of the written config. `stages`: pipeline stages may be chosen;
   `allow_pure_bf16`: so may recipes without an fp32 master (plan/search.py)."""
-  from data.prepare import open_tokenizer
   from train.checks import follow_tokenizer
-  config = follow_tokenizer(config, open_tokenizer(config.data.tokenizer).vocab_size)
+  config, _ = follow_tokenizer(config)
   print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
         f'{config.train.seq_len} tokens per step')
   print(f'            {assumptions(target)}')

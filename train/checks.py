@@ -28,20 +28,23 @@ class ConfigError(ValueError):
 VOCAB_MULTIPLE = 128
 
 
-def follow_tokenizer(config, tokenizer_vocab: int):
-  """`config` with `model.vocab_size` set to the tokenizer's vocabulary padded to VOCAB_MULTIPLE,
-  where the run uses a tokenizer of its own (`data.tokenizer` not 'bytes') and imports no model
-  (`init_from` empty: an imported model keeps its vocabulary). The byte tokenizer keeps the
-  preset's vocabulary, so that the presets keep the shapes of the models they are named after.
-  Returns a changed copy, or `config` itself."""
+def follow_tokenizer(config) -> tuple:
+  """(`config`, the tokenizer's vocabulary size). The config has `model.vocab_size` set to the
+  tokenizer's vocabulary padded to VOCAB_MULTIPLE where the run uses a tokenizer of its own
+  (`data.tokenizer` not 'bytes') and imports no model (`init_from` empty: an imported model keeps
+  its vocabulary); the byte tokenizer keeps the preset's vocabulary, so that the presets keep the
+  shapes of the models they are named after. A changed config is a copy. DataError in one line
+  for a tokenizer that does not open."""
+  from data.prepare import open_tokenizer
+  tokenizer_vocab = open_tokenizer(config.data.tokenizer).vocab_size
   if config.data.tokenizer in ('', 'bytes') or config.get('init_from', ''):
-    return config
+    return config, tokenizer_vocab
   padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   if config.model.vocab_size == padded:
-    return config
+    return config, tokenizer_vocab
   config = config.copy_and_resolve_references()
   config.model.vocab_size = padded
-  return config
+  return config, tokenizer_vocab
 
 
 def model_config(config) -> ModelConfig:

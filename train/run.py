@@ -84,8 +84,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   """Validate and lay out everything; allocates nothing. `devices`: default all of them.
   `stored_block_axes`: how a checkpoint's 8-bit moments are blocked (they keep that blocking on
   any mesh: re-blocking would change their values)."""
-  tokenizer_vocab = make_tokenizer(config).vocab_size
-  config = checks.follow_tokenizer(config, tokenizer_vocab)
+  config, tokenizer_vocab = checks.follow_tokenizer(config)
   spec = checks.model_spec(config)
   model, policy = spec.config, spec.policy
   try:
