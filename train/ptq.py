@@ -40,9 +40,9 @@ def run_config(workdir: str, defaults: ml_collections.ConfigDict) -> ml_collecti
   return config
 
 
-def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict, dict]:
+def restore_weights(workdir: str, config, step: int | None = None, with_setup: bool = False):
   """(trainable params, frozen LoRA base or {}) of `workdir`'s latest checkpoint (or `step`),
-  on the default device."""
+  on the default device; `with_setup`: and the one-device layout they were restored into."""
   from train import run   # run.py is the layer above; imported here only to rebuild the layout
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isdir(directory):   # checked first: the checkpoint manager would create it
@@ -63,7 +63,8 @@ def restore_weights(workdir: str, config, step: int | None = None) -> tuple[dict
     raise CheckpointError(f'{checkpoints.path(step)}: {e}') from None
   finally:
     checkpoints.close()
-  return state['params'], state.get('frozen', {})
+  weights = state['params'], state.get('frozen', {})
+  return (*weights, s) if with_setup else weights
 
 
 def restore_params(workdir: str, config, step: int | None = None) -> dict:
