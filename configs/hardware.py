@@ -57,3 +57,10 @@ def datasheet(device_kind: str) -> dict | None:
   e.g. a CPU)."""
   name = DEVICE_KINDS.get(device_kind)
   return None if name is None else GPUS[name]
+
+
+def peak_flops(devices) -> float | None:
+  """The datasheet bf16 dense peak of `devices` together, in FLOP/s (None where one of them is not
+  a device listed here, e.g. a CPU)."""
+  sheets = [datasheet(d.device_kind) for d in devices]
+  return None if not sheets or None in sheets else sum(s['peak_bf16'] for s in sheets)

@@ -13,12 +13,14 @@ import time
 import jax
 from tqdm import tqdm
 
+from configs.hardware import peak_flops
 from memory.compiled import peak_device_memory
 from optim.adamw import learning_rate_schedule
 from precision.loss_scale import all_finite
 from train.feed import BatchFeed
 from train.metrics import MetricsWriter
 from train.preemption import StopRequests
+from train.progress import Progress
 
 
 def is_main() -> bool:
@@ -58,8 +60,9 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
     checkpoints.save(step, state, feed.get_state(), meta)
     stops.saved()
 
-  bar = tqdm(total=train.steps, initial=start, disable=not is_main(), unit='step',
-             dynamic_ncols=True)
+  progress = Progress(train, start, is_main(),
+                      s.model.flops_per_token(train.seq_len, base_trains=not s.config.lora.rank),
+                      peak_flops(jax.devices()))
   watch = NonFiniteWatch(train.max_bad_steps)
   # tokens/s counts step time only: evaluation and checkpoint saves are timed and left out.
   interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
@@ -68,7 +71,9 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
     if start == 0 or start == train.steps:
       # Step 0: the untrained model's score, the baseline every later evaluation beats. At
       # train.steps: a finished run whose final evaluation was not recorded.
+      eval_start = time.perf_counter()
       last_eval = evaluator(state, start)
+      progress.evaluated(time.perf_counter() - eval_start)
       metrics.write(start, last_eval)
       if start == 0 and stops.stop_now(0):
         if is_main():
@@ -95,16 +100,18 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
         row['tokens_per_sec'] = interval_steps * batches.tokens_per_batch / elapsed
         row['learning_rate'] = float(learning_rate(step - 1))
         row['skipped_steps'] = watch.skipped
-        bar.set_postfix_str(f'loss {row["loss"]:.4f}, {row["tokens_per_sec"]:,.0f} tokens/s')
+        progress.log(step, row, interval_steps, elapsed)
         interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
         if evaluating:
+          eval_start = time.perf_counter()
           last_eval = evaluator(state, step)
+          progress.evaluated(time.perf_counter() - eval_start)
           row.update(last_eval)
         if last and peak_device_memory() is not None:
           row['peak_device_bytes'] = peak_device_memory()
         metrics.write(step, row)
         watch.stop_if_too_many()
-      bar.update(1)
+      progress.step()
       stopping = stops.stop_now(step)
       if step % train.checkpoint_every == 0 or last or stopping or stops.save_now(step):
         save_start = time.perf_counter()
@@ -112,6 +119,7 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
         watch.stop_if_too_many()
         save(step)
         paused += time.perf_counter() - save_start
+        progress.saved(time.perf_counter() - save_start)
       if stopping:
         checkpoints.wait()
         if is_main():
@@ -130,7 +138,7 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
   finally:
     if feed is not None:
       feed.close()
-    bar.close()
+    progress.close()
     checkpoints.wait()
     checkpoints.close()
     metrics.close()
