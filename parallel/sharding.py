@@ -54,7 +54,7 @@ def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
       ways = shard_ways(sharding.mesh, axes)
       axes = mesh_axes(axes)
       if size % ways and not set(axes) <= set(PADDED_AXES):
-        name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+        name = jax.tree_util.keystr(path, simple=True, separator='/')
         raise ValueError(f'{what} {name} dimension {dim} ({logical[dim]}) of size {size}, which the '
                          f'mesh axes {" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = '
                          f'{ways} do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')

@@ -32,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from parallel.padding import true_shapes
+from parallel.padding import path_name, true_shapes
 from train.digest import as_numbers, digest_arrays, first_mismatch, tree_digests
 
 
@@ -306,6 +306,5 @@ def _shapes(tree, unpadded: dict | None = None) -> dict[str, tuple]:
   """{name: shape} of each array of `tree`; with `unpadded`, the true shape of those it names."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   unpadded = unpadded or {}
-  names = ['/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path)
-           for path, _ in flat]
+  names = [path_name(path) for path, _ in flat]
   return {name: tuple(unpadded.get(name, leaf.shape)) for name, (_, leaf) in zip(names, flat)}
