@@ -16,7 +16,6 @@ Evaluation reads each source's validation split apart (train/validation.py repor
 source, and their weighted mean).
 """
 import functools
-import hashlib
 import re
 from typing import NamedTuple
 
@@ -24,7 +23,7 @@ import grain
 import numpy as np
 
 from data.corpus import DataError
-from data.pipeline import ENDLESS, check_sharding, restored_step
+from data.pipeline import ENDLESS, check_sharding, restored_step, stream_seed
 from data.windows import Windows
 
 PERIOD = 4096   # rows per period of the deal
@@ -70,10 +69,6 @@ def shares(weights: list[float], rows: int = PERIOD) -> np.ndarray:
   return counts
 
 
-def _seed(*parts) -> int:
-  return int(hashlib.sha256('/'.join(map(str, parts)).encode()).hexdigest()[:8], 16)
-
-
 class MixtureBatches:
   """Endless, checkpointable iterator of batches drawn from several sources (data/pipeline.py's
   TokenBatches' interface: the state is the step and what identifies the stream)."""
@@ -93,7 +88,8 @@ class MixtureBatches:
     self._rows = range(process_index * rows, (process_index + 1) * rows)
     self._orders = []
     for name, windows in zip(self._names, self._windows):
-      order = grain.MapDataset.range(windows.num_windows).shuffle(seed=_seed('Mixture', seed, name))
+      order = grain.MapDataset.range(windows.num_windows).shuffle(
+          seed=stream_seed('Mixture', seed, name))
       self._orders.append(order.repeat(num_epochs=ENDLESS // windows.num_windows))
     self._step = 0
 
@@ -109,7 +105,8 @@ class MixtureBatches:
   def _period(self, period: int) -> tuple[np.ndarray, np.ndarray]:
     """(source of each row of the period, how many rows of that source come before it in it)."""
     deal = np.repeat(np.arange(len(self._shares)), self._shares)
-    deal = np.random.default_rng(_seed('Mixture', self._seed, 'period', period)).permutation(deal)
+    rng = np.random.default_rng(stream_seed('Mixture', self._seed, 'period', period))
+    deal = rng.permutation(deal)
     before = np.zeros(len(deal), np.int64)
     for source in range(len(self._shares)):
       mine = deal == source

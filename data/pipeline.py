@@ -38,10 +38,11 @@ def check_sharding(batch_size: int, process_index: int, process_count: int, name
   return batch_size // process_count
 
 
-def _lane_seed(seed: int, lane: int) -> int:
-  # grain shuffles epoch e with (seed + e) mod 2**32, so user seeds 0 and 1 would share all but
-  # one epoch's order. Hashing first makes neighbouring seeds (and lanes) unrelated.
-  return int(hashlib.sha256(f"TokenBatches/{seed}/{lane}".encode()).hexdigest()[:8], 16)
+def stream_seed(*parts) -> int:
+  """A 32-bit shuffle seed from the parts that name a stream, e.g. ('TokenBatches', seed, lane).
+  grain shuffles epoch e with (seed + e) mod 2**32, so user seeds 0 and 1 would share all but one
+  epoch's order: hashing first makes neighbouring seeds (and lanes) unrelated."""
+  return int(hashlib.sha256('/'.join(map(str, parts)).encode()).hexdigest()[:8], 16)
 
 
 class TokenBatches:
@@ -68,7 +69,7 @@ class TokenBatches:
     for lane, (low, high) in zip(lanes, bounds):
       order = grain.MapDataset.range(low, high)
       if self._shuffle:
-        order = order.shuffle(seed=_lane_seed(self._seed, lane))
+        order = order.shuffle(seed=stream_seed('TokenBatches', self._seed, lane))
       # repeat() reseeds the shuffle per epoch.
       orders.append(order.repeat(num_epochs=ENDLESS // (high - low)))
     self._batches = grain.MapDataset.range(ENDLESS).map(

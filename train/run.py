@@ -325,12 +325,25 @@ def open_data(config, workdir: str) -> list[tuple[str, float, data_lib.PreparedD
   return data_source.open_sources(data, cache, prepare_here=is_main(), progress=is_main())
 
 
+@contextlib.contextmanager
+def _naming(source: str):
+  """A DataError about one source of a mixture names it."""
+  try:
+    yield
+  except data_lib.DataError as e:
+    if not source:
+      raise
+    raise data_lib.DataError(f'data.path source {source!r}: {e}') from None
+
+
 def train_batches(s: Setup, sources: list) -> data_lib.TokenBatches | MixtureBatches:
   """The training batches of this process's rows: one source's, or a mixture's."""
   config, train = s.config, s.config.train
-  windows = [(name, weight, data_lib.Windows(prepared.split('train'), train.seq_len,
-                                             config.data.packing))
-             for name, weight, prepared in sources]
+  windows = []
+  for name, weight, prepared in sources:
+    with _naming(name):
+      windows.append((name, weight, data_lib.Windows(prepared.split('train'), train.seq_len,
+                                                     config.data.packing)))
   if len(windows) == 1 and windows[0][0] == '':
     return data_lib.TokenBatches(windows[0][2], global_batch_size=train.batch_size,
                                  seed=train.seed, process_index=s.feed[0],
@@ -341,8 +354,11 @@ def train_batches(s: Setup, sources: list) -> data_lib.TokenBatches | MixtureBat
 
 def evaluator(s: Setup, sources: list) -> Evaluator:
   """The run's validation: each source's evaluation set (a mixture's scored apart)."""
-  return Evaluator(s, [EvalSet(name, weight, eval_set(s, prepared), prepared.bytes_per_token('val'))
-                       for name, weight, prepared in sources])
+  sets = []
+  for name, weight, prepared in sources:
+    with _naming(name):
+      sets.append(EvalSet(name, weight, eval_set(s, prepared), prepared.bytes_per_token('val')))
+  return Evaluator(s, sets)
 
 
 def _global_batch(s: Setup, local: dict, sharding=None) -> dict:
