@@ -441,9 +441,14 @@ def test_the_feed_reads_ahead_but_records_the_position_of_the_batches_taken(docu
   stream = TokenBatches(windows, global_batch_size=2, seed=3)
   feed = BatchFeed(stream, lambda rows: rows, depth=3)
   taken = [feed.next() for _ in range(4)]
+  import time
+  deadline = time.time() + 30   # the reader thread may not have run yet on a loaded machine
+  while stream.get_state()["step"] <= 4 and time.time() < deadline:
+    time.sleep(0.01)
   state = feed.get_state()
+  read_ahead = stream.get_state()["step"]
   feed.close()
-  assert stream.get_state()["step"] > 4 and state["step"] == 4
+  assert read_ahead > 4 and state["step"] == 4
   resumed = TokenBatches(windows, global_batch_size=2, seed=3)
   resumed.set_state(state)
   _assert_same_batches(taken + _take(resumed, 3), expected)
