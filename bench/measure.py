@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The model and batch shapes bench/versus.py and bench/pieces.py compare. `issue`: the shape of
-# issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
+# The model and batch shapes bench/versus.py and bench/studies/pieces.py compare. `issue`: the
+# shape of issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
 SHAPES = {
     'issue': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
                   head_dim=64, mlp_dim=1024, tie_embeddings=False, batch_size=8, seq_len=256),

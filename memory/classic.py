@@ -41,7 +41,7 @@ Assumptions, all of them:
   keeps bf16 weights and gradients and blockwise 8-bit moments (2 + 2 + 2 = 6 bytes/param, plus one
   fp32 scale per 2048 values and fp32 moments for the norm scales).
 - LoRA and QLoRA are not rows of this table (it keeps the classic's full-training framing); their
-  memory at the 1B and 7B presets is measured by `python -m bench.finetune` (WORKSPACE.md).
+  memory at the 1B and 7B presets is measured by `python -m bench.studies.finetune` (WORKSPACE.md).
 """
 import dataclasses
 

@@ -1,7 +1,7 @@
 """Analytic per-device memory of a train step: parameters, gradients, optimizer state, activations.
 
 It predicts XLA's compiled figure for one device (arguments + outputs - donated + temp,
-`memory.compiled`); `python -m bench.memory_matrix [--large]` compares the two over layouts,
+`memory.compiled`); `python -m bench.studies.memory_matrix [--large]` compares the two over layouts,
 precisions, remat policies, Adam widths and microbatch counts, and `tests/test_estimate.py` pins
 the agreement. Every term below was read off XLA's buffer assignment of such compiles (the
 `--xla_dump_to` buffer-assignment and live-range dumps: which buffers are live at the peak).
@@ -459,7 +459,7 @@ def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
   """What the context-parallel attention holds at a layer's backward pass (models/context.py):
   `gather`, the whole sequence's keys and values and their fp32 gradients before the
   reduce-scatter; `ring`, the shard's keys and values arriving beside those it computes with, and
-  the fp32 gradients travelling with them (7b at 32k on 2 and 8 shards, `bench.context
+  the fp32 gradients travelling with them (7b at 32k on 2 and 8 shards, `bench.studies.context
   --context_attention=ring`: counting the running sums and the arriving gradients apart put the
   estimate at +4.9 and +2.5 %, one fp32 pair +3.1 and +1.8 %)."""
   if shape.context == 1:

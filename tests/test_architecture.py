@@ -71,6 +71,15 @@ def test_every_folder_imports_only_the_folders_below_it():
   assert upward == []
 
 
+def test_nothing_imports_the_studies():
+  """bench/studies/ holds one-off studies, not maintained as tools: no kept module relies on one
+  (the tests that keep them working may)."""
+  found = [f'{module} -> {t}' for module, targets in import_graph().items()
+           if not module.startswith('bench.studies')
+           for t in targets if t.startswith('bench.studies')]
+  assert found == []
+
+
 def test_the_import_graph_has_no_circles():
   graph = import_graph()
   state, circles = {}, []

@@ -52,7 +52,7 @@ def test_the_classic_activation_rule_is_of_the_order_of_one_sequence_at_1b():
 
 
 def test_bench_prints_units_and_writes_a_png(tmp_path):
-  from bench import classic as bench
+  from bench.studies import classic as bench
   table = bench.markdown()
   assert 'GB = 1e9 bytes' in table and 'total per device (GB)' in table
   assert table.count('| classic: fp32 + Adam |') == len(classic.MODELS)

@@ -1,14 +1,14 @@
 """memory/estimate.py: the analytic per-device total agrees with XLA's compiled one within 10 %
 across layouts, precisions, remat policies, 8-bit Adam, microbatches, attention implementations
 and the chunked loss, on the installed jax's XLA:CPU (8 simulated CPU devices,
-the `tiny` preset so that each compile takes seconds); `python -m bench.memory_matrix` runs the
-larger matrix."""
+the `tiny` preset so that each compile takes seconds); `python -m bench.studies.memory_matrix`
+runs the larger matrix."""
 import dataclasses
 
 import jax
 import pytest
 
-from bench.memory_matrix import compare
+from bench.studies.memory_matrix import compare
 from memory.estimate import StepShape, estimate
 from models.config import ModelConfig
 from precision.policy import get_policy
@@ -46,7 +46,8 @@ CASES = [
     ('zero2', {'precision': 'bf16_master', 'parallel.offload_optimizer': True}),
     ('fsdp', {'precision': 'bf16_mixed', 'parallel.offload_optimizer': True,
               'model.remat': 'offload'}),
-    # Pipelines: 4 stages x 2-way fsdp, GPipe and circular (bench/pipeline.py runs larger ones).
+    # Pipelines: 4 stages x 2-way fsdp, GPipe and circular (bench/studies/pipeline.py runs larger
+    # ones).
     ('pipeline', {'precision': 'fp32', 'model.num_layers': 8}),
     ('pipeline', {'precision': 'bf16_mixed', 'model.num_layers': 8, 'model.remat': 'full',
                   'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2}),

@@ -279,9 +279,9 @@ def test_a_random_quantized_base_is_the_same_on_every_mesh_and_trains(layout):
 
 def test_a_random_base_is_never_drawn_whole_in_floats():
   """At the 7B preset a QLoRA base is 3.7 GB of NF4 (the initialiser jitted whole held some 130 GB
-  of temporaries on XLA:CPU: bench.init_memory). Drawn by the random source, the rest of the state
-  compiles to less than the base, and each layer's quantize-and-write to at most two fp32 copies
-  of that layer."""
+  of temporaries on XLA:CPU: bench.studies.init_memory). Drawn by the random source, the rest of
+  the state compiles to less than the base, and each layer's quantize-and-write to at most two fp32
+  copies of that layer."""
   config = finetune.finetune_config('qlora', '7b')
   config.mesh, config.parallel.zero_stage, config.host_devices = dict(data=1, fsdp=1), 0, 0
   config.train.batch_size, config.train.microbatches = 1, 1

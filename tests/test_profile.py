@@ -1,6 +1,6 @@
 """bench/profile.py on the tiny preset: the trace is read back into time per model part and kind,
 and the real loop's data path is seen in its thread (JAX's trace format differs between versions:
-this runs on each stack); the bytes each operation moves; bench/pieces.py's table."""
+this runs on each stack); the bytes each operation moves; bench/studies/pieces.py's table."""
 import json
 import os
 import subprocess
@@ -54,7 +54,7 @@ def test_an_operation_on_a_slice_of_a_stack_moves_only_the_slice():
 def test_the_pieces_are_timed_in_both_libraries(tmp_path):
   out = tmp_path / 'pieces.json'
   result = subprocess.run(
-      [sys.executable, '-m', 'bench.pieces', '--shape=small', '--only=rmsnorm|adamw',
+      [sys.executable, '-m', 'bench.studies.pieces', '--shape=small', '--only=rmsnorm|adamw',
        '--repeats=1', f'--out={out}'],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})

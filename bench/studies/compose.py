@@ -1,5 +1,5 @@
-"""What the `--compose` checks of bench/pipeline.py and bench/context.py run: every precision,
-quantization mode and LoRA variant, and the losses of a few train steps of a config."""
+"""What the `--compose` checks of bench/studies/pipeline.py and bench/studies/context.py run: every
+precision, quantization mode and LoRA variant, and the losses of a few train steps of a config."""
 
 # What --compose runs through a layout and on one device.
 VARIANTS = {

@@ -8,8 +8,8 @@ would read and write), the rate each library moves them at, and the rate a plain
 the same size reaches in XLA on this machine (bench/measure.py). A piece far below that rate is
 limited by the code the compiler makes for it, not by the memory.
 
-  python -m bench.pieces                      # the issue-29 shape (bench/versus.py), fp32
-  python -m bench.pieces --shape=small --out=pieces.json
+  python -m bench.studies.pieces                      # the issue-29 shape (bench/versus.py), fp32
+  python -m bench.studies.pieces --shape=small --out=pieces.json
 
 PyTorch is optional (a test-only requirement): without it only XLA's column is printed.
 """

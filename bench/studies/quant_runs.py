@@ -3,7 +3,7 @@ compiled train step, with the parameter and optimizer-state bytes read off the s
 (Throughput is measured separately, by bench.train_step on an otherwise idle machine: a run's own
 tokens/s moves with whatever else the machine is doing.)
 
-  python -m bench.quant_runs runs/default-run runs/q-bf16 runs/q-int8 ...
+  python -m bench.studies.quant_runs runs/default-run runs/q-bf16 runs/q-int8 ...
 """
 import json
 import os

@@ -1,11 +1,11 @@
 """Context parallelism against sequence length: compiled per-device memory (total and temp) beside
 the analytic estimate, and the collectives of a step. Nothing is allocated.
 
-  python -m bench.context                       # README's table: 7b, 32k/64k/128k x context 1-8
-  python -m bench.context --context_attention=ring --contexts=2,4,8   # the same with a ring
-  python -m bench.context --seq_lens=8192 --contexts=1,2 --preset=1b
-  python -m bench.context --compose [--context_attention=ring]   # every precision / quant mode /
-                                                                # LoRA over context shards
+  python -m bench.studies.context            # README's table: 7b, 32k/64k/128k x context 1-8
+  python -m bench.studies.context --context_attention=ring --contexts=2,4,8   # the same, a ring
+  python -m bench.studies.context --seq_lens=8192 --contexts=1,2 --preset=1b
+  python -m bench.studies.context --compose [--context_attention=ring]   # every precision / quant
+                                                        # mode / LoRA over context shards
 
 For each length and context size C the mesh is C context x (devices / C) fsdp under ZeRO-3, with
 one sequence per fsdp group (batch devices / C), remat full and a 4096-position loss chunk: every
@@ -31,13 +31,13 @@ _METHOD = flags.DEFINE_enum('context_attention', 'gather', ['gather', 'ring'],
 _OUT = flags.DEFINE_string('out', None, 'Where the rows are written (default '
                            'bench/results/context_7b.json, context_7b_ring.json with a ring).')
 _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
-                             'and LoRA variant (bench/pipeline.py:VARIANTS) over 2 context x 2 '
-                             'fsdp x 2 tensor devices (ZeRO-3, packed rows) and on one device.')
+                             'and LoRA variant (bench/studies/compose.py:VARIANTS) over 2 context '
+                             'x 2 fsdp x 2 tensor devices (ZeRO-3, packed rows) and on one device.')
 
 
 def compose() -> None:
   import jax
-  from bench.compose import table
+  from bench.studies.compose import table
   from configs import default
   from configs.layouts import layout_config
 

@@ -1,8 +1,8 @@
 """What the checkpoint digests cost (train/digest.py): a real train state saved and restored with
 orbax, each way timed with and without the digests, rounds interleaved, best of each kept.
 
-  python -m bench.checkpoint_digest                       # the 100m preset, fp32 and Adam
-  python -m bench.checkpoint_digest --config=configs/default.py:tiny --rounds=2
+  python -m bench.studies.checkpoint_digest                       # the 100m preset, fp32 and Adam
+  python -m bench.studies.checkpoint_digest --config=configs/default.py:tiny --rounds=2
 
 Figures (seconds): `call` is the save call, what the training loop waits for (the arrays copied
 off the devices; the digests are only dispatched, and writing goes on in the background); `save`
@@ -20,8 +20,8 @@ from absl import app, flags, logging
 
 _CONFIG = flags.DEFINE_string('config', 'configs/default.py:100m', 'Config file[:preset].')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Interleaved rounds; the best of each figure is kept.')
-_OUT = flags.DEFINE_string('out', os.path.join(os.path.dirname(__file__), 'results',
-                                               'checkpoint_digest.json'), 'JSON output.')
+_OUT = flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                               'results', 'checkpoint_digest.json'), 'JSON output.')
 
 
 def _timed(fn):
@@ -35,7 +35,7 @@ def measure(spec: str, rounds: int) -> dict:
   import orbax.checkpoint as ocp
 
   import configs
-  from bench.quant_runs import tree_bytes
+  from bench.studies.quant_runs import tree_bytes
   from train import init_from
   from train.checkpoint import Checkpointer
   from train.digest import tree_digests

@@ -3,7 +3,7 @@ recipe of each kind by estimated step time among those that fit by the analytic 
 memory, the step-time parts and the bytes per device per step behind the comm terms. Estimates only (plan/search.py:evaluate); `main.py --plan` also
 compiles the winner.
 
-  python -m bench.plan_stages [--targets=70b@64xH100-80GB,405b@512xH100-80GB]
+  python -m bench.studies.plan_stages [--targets=70b@64xH100-80GB,405b@512xH100-80GB]
 """
 from absl import app, flags
 

@@ -1,10 +1,10 @@
 """The pipeline schedules against their microbatch count: bubble, compiled per-device memory (total
 and temp) beside the analytic estimate, and each step's collectives. Nothing is allocated.
 
-  python -m bench.pipeline [--stages=4,8] [--preset=small]
-  python -m bench.pipeline --preset=7b --num_layers=32 --batch_size=64   # README's table
-  python -m bench.pipeline --compose [--schedules=1f1b]   # every precision / quant mode / LoRA
-                                                          # through a pipeline (the first schedule)
+  python -m bench.studies.pipeline [--stages=4,8] [--preset=small]
+  python -m bench.studies.pipeline --preset=7b --num_layers=32 --batch_size=64   # README's table
+  python -m bench.studies.pipeline --compose [--schedules=1f1b]   # every precision / quant mode /
+                                                  # LoRA through a pipeline (the first schedule)
 
 For P stages and M = P, 2P, 4P, 8P microbatches (those that divide each device's rows), and each
 schedule (gpipe, circular, 1f1b, interleaved_1f1b): the bubble measured on the schedule's table
@@ -35,7 +35,7 @@ _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each preci
 
 def compose() -> None:
   import jax
-  from bench.compose import table
+  from bench.studies.compose import table
   from configs import default
   from configs.layouts import layout_config
   schedule = _SCHEDULES.value[0]

@@ -4,8 +4,8 @@ planner's modelled step time (plan/cost.py), with and without the optimizer's st
 saved activations) in host memory. Estimates only; `main.py --dry_run` compiles each case (the
 commands are in WORKSPACE.md, issue 31).
 
-  python -m bench.offload
-  python -m bench.offload --compiled      # and 100m on 8 simulated devices, compiled
+  python -m bench.studies.offload
+  python -m bench.studies.offload --compiled      # and 100m on 8 simulated devices, compiled
 """
 from absl import app, flags
 

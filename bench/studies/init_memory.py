@@ -6,9 +6,9 @@ a time, each layer cast or quantized and written into its stacked array in place
 The peak of the second is bounded by the larger of the first piece (its outputs and temporaries)
 and the whole state plus the largest layer's float values and the temporaries of storing them.
 
-  python -m bench.init_memory                                   # LoRA and QLoRA at 7B, QLoRA at 20B
-  python -m bench.init_memory --config=configs/qlora.py:70b     # any fine-tune config(s)
-  python -m bench.init_memory --config=configs/qlora.py:20b --create   # and create it here
+  python -m bench.studies.init_memory                          # LoRA and QLoRA at 7B, QLoRA at 20B
+  python -m bench.studies.init_memory --config=configs/qlora.py:70b     # any fine-tune config(s)
+  python -m bench.studies.init_memory --config=configs/qlora.py:20b --create   # and create it
 
 `--create` also creates each state the way a run does, on this machine's first device, and reports
 the seconds it took and the peak memory: the device allocator's peak where the device reports one

@@ -3,9 +3,10 @@ matrix of layouts, precisions, remat policies, Adam widths and microbatch counts
 compiled dry-run style (`run.setup` + `run.compile_train_step` on the abstract state): nothing is
 allocated, so the large presets size on a laptop.
 
-  python -m bench.memory_matrix            # `small`-preset shapes on 8 simulated CPU devices
-  python -m bench.memory_matrix --large    # 1b and 7b on 8 devices, 70b on 64
-  python -m bench.memory_matrix --long     # 7b at 4k-32k tokens per attention, 1b's chunked loss
+  python -m bench.studies.memory_matrix          # `small`-preset shapes on 8 simulated CPU devices
+  python -m bench.studies.memory_matrix --large  # 1b and 7b on 8 devices, 70b on 64
+  python -m bench.studies.memory_matrix --long   # 7b at 4k-32k tokens per attention, 1b's chunked
+                                                 # loss
 
 The last column names the part of the compiled total the estimate misses most: `arguments`
 (parameters and optimizer state), `outputs` (returned state that cannot reuse a donated buffer)

@@ -2,7 +2,7 @@
 from the analytic memory model, beside what this project's recipes need per device, as markdown and
 as a log-scale bar chart. Assumptions: memory/classic.py's docstring. Nothing is compiled or run.
 
-  python -m bench.classic [--png=bench/results/classic_memory.png]
+  python -m bench.studies.classic [--png=bench/results/classic_memory.png]
 """
 from absl import app, flags, logging
 
@@ -53,7 +53,8 @@ def markdown() -> str:
             f'temporaries; in {classic.SEQ_LEN}-token sequences of estimate()\'s fp32, no-remat '
             f'activations that rule is: {sequences}.',
             'LoRA / QLoRA: not rows of this table; their memory is measured by '
-            '`python -m bench.finetune` (WORKSPACE, "Memory: full fine-tuning vs LoRA vs QLoRA").']
+            '`python -m bench.studies.finetune` (WORKSPACE, "Memory: full fine-tuning vs LoRA vs '
+            'QLoRA").']
   return '\n'.join(lines)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default run under each recipe of issue 4's table, two seeds, PARALLEL at a time (run on the
 # lent H100 for WORKSPACE "Data at scale"). Writes OUT/quant_table.json (final evaluations).
-#   OUT=results PARALLEL=10 bash bench/quant_seeds.sh
+#   OUT=results PARALLEL=10 bash bench/studies/quant_seeds.sh
 set -u
 OUT=${OUT:-bench/results/quant_seeds}; mkdir -p $OUT
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1

@@ -3,7 +3,7 @@ compiled train step's per-device memory beside the analytic estimate (for the CP
 on, and for a GPU: the same model without XLA:CPU's fp32 copies); for runs that trained, the
 validation loss before and after.
 
-  python -m bench.finetune runs/ft-7b-full-z3 runs/ft-7b-lora-z3 runs/ft-7b-qlora-z3 ...
+  python -m bench.studies.finetune runs/ft-7b-full-z3 runs/ft-7b-lora-z3 runs/ft-7b-qlora-z3 ...
 """
 import json
 import os
