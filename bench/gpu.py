@@ -69,30 +69,6 @@ def probe_device() -> dict:
   return json.loads(lines[-1])
 
 
-def _run_logged(argv: list[str], log_path: str, env: dict | None = None) -> tuple[int, str]:
-  """Runs `argv` in the project root with its output appended to `log_path`; (exit status, the
-  line that says why it failed, or '')."""
-  from sweep.runner import last_error_line
-  with open(log_path, 'a', encoding='utf-8') as log:
-    log.write(f'\n=== {datetime.datetime.now().isoformat(timespec="seconds")}: '
-              f'{" ".join(map(shlex.quote, argv))}\n')
-    log.flush()
-    offset = log.tell()
-    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    try:
-      returncode = child.wait()
-    except KeyboardInterrupt:
-      os.killpg(child.pid, signal.SIGTERM)
-      child.wait()
-      raise
-  if not returncode:
-    return 0, ''
-  with open(log_path, encoding='utf-8', errors='replace') as f:
-    f.seek(offset)
-    return returncode, last_error_line(f.read())
-
-
 def _read_json(path: str) -> dict | None:
   try:
     with open(path, encoding='utf-8') as f:
@@ -103,7 +79,19 @@ def _read_json(path: str) -> dict | None:
 
 def run_claim(directory: str, smoke: bool, device: dict) -> dict:
   """Plans the claim's config for its card, then runs the planned config for a few steps with the
-  allocator limited to the card's memory. Each part is kept in `directory` and not redone."""
+  allocator limited to the card's memory. Each part is kept in `directory` and not redone. The
+  parts run as the cases do, through sweep/runner.py's Runner: Ctrl-C stops the running one as it
+  stops a sweep's points, and is raised once it has."""
+  from sweep.runner import Runner
+  runner = Runner(parallel=1)
+  try:
+    return _claim(runner, directory, smoke, device)
+  except KeyboardInterrupt:
+    runner.interrupt()
+    raise
+
+
+def _claim(runner, directory: str, smoke: bool, device: dict) -> dict:
   from plan.target import parse_target
   claim = CLAIM[smoke]
   target = parse_target(claim['target'])
@@ -117,7 +105,7 @@ def run_claim(directory: str, smoke: bool, device: dict) -> dict:
     if os.path.isdir(plan_dir):   # an interrupted plan: planning again refuses its leftovers
       import shutil
       shutil.rmtree(plan_dir)
-    code, error = _run_logged(
+    code, error = runner.run_logged(
         [sys.executable, 'main.py', f'--config={claim["config"]}',
          f'--config.train.batch_size={claim["batch_size"]}',
          f'--config.train.seq_len={claim["seq_len"]}', '--plan', f'--target={claim["target"]}',
@@ -127,14 +115,14 @@ def run_claim(directory: str, smoke: bool, device: dict) -> dict:
   plan = _read_json(os.path.join(plan_dir, 'plan.json'))
   out['plan'] = plan
   bench_path = os.path.join(directory, 'bench.json')
-  env, out['memory_fraction'] = dict(os.environ), None
+  env, out['memory_fraction'] = runner.env, None
   if not smoke and device['platform'] != 'cpu':   # its allocator gets the card's memory, no more
     try:
-      env, out['memory_fraction'] = card_environment(os.environ, device, target.memory)
+      env, out['memory_fraction'] = card_environment(runner.env, device, target.memory)
     except ValueError as e:
       return {**out, 'status': 'not run', 'error': str(e)}
   if _read_json(bench_path) is None:
-    code, error = _run_logged(
+    code, error = runner.run_logged(
         [sys.executable, '-m', 'bench.train_step', f'--config={plan["config"]}',
          f'--steps={claim["steps"]}', '--warmup=1', f'--out={bench_path}'], log, env)
     if code:

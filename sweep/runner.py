@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -130,7 +131,9 @@ def last_error_line(text: str) -> str:
 
 
 class Runner:
-  """Runs jobs in child processes; stop() ends the running ones (Ctrl-C)."""
+  """Runs jobs (and any command: run_logged) in child processes; stop() ends the running ones
+  (Ctrl-C). The one way this project runs a child process into a log: the sweep's points, and
+  bench/gpu.py's claim."""
 
   def __init__(self, parallel: int):
     self.parallel = parallel
@@ -147,24 +150,7 @@ class Runner:
     record = {'status': 'running', 'settings': job.settings, 'argv': job.argv,
               'started': datetime.datetime.now().isoformat(timespec='seconds')}
     _write_status(job.workdir, record)
-    log_path = os.path.join(job.workdir, LOG_FILE)
-    with open(log_path, 'a', encoding='utf-8') as log:
-      log.write(f'\n=== {record["started"]}: {" ".join(job.argv)}\n')
-      log.flush()
-      offset = log.tell()
-      with self.lock:
-        if self.stopping.is_set():
-          child = None
-        else:
-          child = subprocess.Popen(job.argv, cwd=ROOT, env=self.env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-          self.children.add(child)
-      returncode = -1 if child is None else child.wait()
-    with self.lock:
-      self.children.discard(child)
-    with open(log_path, encoding='utf-8', errors='replace') as f:
-      f.seek(offset)
-      output = f.read()
+    returncode, error = self.run_logged(job.argv, os.path.join(job.workdir, LOG_FILE))
     if self.stopping.is_set():
       status = 'interrupted'
     elif returncode == 0 and job.complete():
@@ -174,13 +160,39 @@ class Runner:
     record.update(status=status, returncode=returncode, wall_s=round(time.time() - started, 1),
                   finished=datetime.datetime.now().isoformat(timespec='seconds'))
     if status == 'failed':
-      record['error'] = (last_error_line(output) if returncode else
+      record['error'] = (error if returncode else
                          f'exited 0 without {"its last step" if job.command == "train" else "its output file"}')
     _write_status(job.workdir, record)
     return record
 
+  def run_logged(self, argv: list[str], log_path: str, env: dict | None = None) -> tuple[int, str]:
+    """Runs `argv` in the project root, in a session of its own, with its output appended to
+    `log_path` after a line with the time and the command; (exit status, the line that says why it
+    failed, or '' when it exited 0). Once the runner is stopping nothing starts (status -1), and
+    stop() ends what runs. `env`: the child's whole environment (default the runner's)."""
+    with open(log_path, 'a', encoding='utf-8') as log:
+      log.write(f'\n=== {datetime.datetime.now().isoformat(timespec="seconds")}: '
+                f'{shlex.join(argv)}\n')
+      log.flush()
+      offset = log.tell()
+      with self.lock:
+        if self.stopping.is_set():
+          child = None
+        else:
+          child = subprocess.Popen(argv, cwd=ROOT, env=self.env if env is None else env,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+          self.children.add(child)
+      returncode = -1 if child is None else child.wait()
+    with self.lock:
+      self.children.discard(child)
+    if not returncode:
+      return 0, ''
+    with open(log_path, encoding='utf-8', errors='replace') as f:
+      f.seek(offset)
+      return returncode, last_error_line(f.read())
+
   def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM to every running point (a training run saves a checkpoint and exits), SIGKILL to
+    """SIGTERM to every running child (a training run saves a checkpoint and exits), SIGKILL to
     any still running after `grace` seconds."""
     self.stopping.set()
     with self.lock:
@@ -196,6 +208,13 @@ class Runner:
         child.wait(timeout=max(deadline - time.time(), 0))
       except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
+
+  def interrupt(self) -> None:
+    """What Ctrl-C does: stop() the running children; a second Ctrl-C kills them at once."""
+    try:
+      self.stop()
+    except KeyboardInterrupt:
+      self.stop(grace=0)
 
 
 def data_directories(sweep: Sweep, directory: str) -> dict:
@@ -257,10 +276,7 @@ def run_jobs(jobs: list[Job], runner: Runner, progress: bool = True) -> list[dic
   except KeyboardInterrupt:
     bar.write('interrupted: stopping the running points (a second Ctrl-C kills them)')
     pool.shutdown(wait=False, cancel_futures=True)
-    try:
-      runner.stop()
-    except KeyboardInterrupt:
-      runner.stop(grace=0)
+    runner.interrupt()
     pool.shutdown(wait=True)
     raise
   finally:

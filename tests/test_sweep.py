@@ -14,7 +14,7 @@ import pytest
 
 from sweep import spec
 from sweep.grid import Point, SweepError, axis, check_names, choices, product, zipped
-from sweep.runner import last_error_line
+from sweep.runner import Runner, last_error_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,6 +130,22 @@ def test_the_last_error_line_is_the_one_that_says_why():
   assert last_error_line('compiling\nerror: train.steps=0; it must be positive\nbye\n') == \
       'error: train.steps=0; it must be positive'
   assert last_error_line('') == 'no output'
+
+
+def test_a_logged_command_appends_to_its_log_and_says_why_it_failed(tmp_path):
+  """Runner.run_logged, what the sweep's points and bench.gpu's claim run through: each attempt
+  appended after a line naming it, the failure's line returned, nothing started once stopping."""
+  log, runner = str(tmp_path / 'log.txt'), Runner(parallel=1)
+  fail = [sys.executable, '-c', 'import os; print(os.environ["X"]); raise ValueError("no good")']
+  assert runner.run_logged(fail, log, env=dict(os.environ, X='from env')) == (
+      1, 'ValueError: no good')
+  assert runner.run_logged([sys.executable, '-c', 'print("fine")'], log) == (0, '')
+  text = open(log).read()
+  assert text.count('\n=== ') == 2 and 'from env' in text and text.rstrip().endswith('fine')
+  assert "-c 'import os;" in text   # the command as a shell would take it
+  runner.stop()
+  assert runner.run_logged([sys.executable, '-c', 'print("late")'], log)[0] == -1
+  assert open(log).read().splitlines()[-1].startswith('=== ')   # named, never run
 
 
 DRY_RUN_SWEEP = """
