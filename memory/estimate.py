@@ -94,13 +94,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import logical_to_mesh_axes
 
 from models.attention import flash_block
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
 from models.llama import Transformer
 from parallel.pipeline import BACKWARD_IN_LOOP
-from parallel.rules import PADDED_AXES, layout_rules, mesh_axes, to_mesh_spec
+from parallel.rules import PADDED_AXES, layout_rules, mesh_axes
 from parallel.sharding import logical_axes
 from precision.policy import Policy, get_policy
 
@@ -302,7 +303,7 @@ def param_leaves(cfg: ModelConfig, shape: StepShape) -> list[tuple[int, int]]:
   leaves = []
   for dims, axes in _param_tensors(cfg):
     ways = [math.prod(sizes.get(a, 1) for a in mesh_axes(part))
-            for part in to_mesh_spec(axes, rules)]
+            for part in logical_to_mesh_axes(axes, rules)]
     leaves.append((math.prod(dims), next((w for w in ways if w > 1), 1)))
   return leaves
 
@@ -314,7 +315,7 @@ def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
   100m's d_model 768 on 512 devices: 1024, 4/3 of every weight). XLA gathers such a weight at its
   padded size too, so the gathered weights of ZeRO-3 carry the same ratio (100m on 512 devices,
   bench/buffers.py: the MLP's weights gathered as [1024, 3072])."""
-  spec_of = lambda axes: to_mesh_spec(axes, layout_rules(3).params)
+  spec_of = lambda axes: logical_to_mesh_axes(axes, layout_rules(3).params)
   stored = values = 0
   for dims, axes in _param_tensors(cfg):
     padded = [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(PADDED_AXES) else n

@@ -37,12 +37,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
+from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
 from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, by_stage, from_stages, on_stages,
                                pipelined, scan_chunk, split_rows)
-from parallel.rules import REPLICATED, LayoutRules, to_mesh_spec
+from parallel.rules import REPLICATED, LayoutRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class OneFOneB:
     shard at every tick, a reduce-scatter)."""
     def placed(tree, table, stacked):
       def place(logical):
-        spec = to_mesh_spec(logical, table)
+        spec = logical_to_mesh_axes(logical, table)
         spec = PartitionSpec(None, None, *spec[1:]) if stacked else spec
         return lambda a: jax.lax.with_sharding_constraint(a, spec)
       return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))

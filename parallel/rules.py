@@ -20,10 +20,15 @@ Tensor parallelism (Megatron style) is in every table: attention heads and the M
 dimension are split over `tensor` (column-parallel in, row-parallel out), and so is the vocabulary
 of the embedding and the logits. So is pipeline parallelism: the stacked blocks' `layers` axis is
 split over `stage` (parallel/pipeline.py runs them).
+
+The tables are flax's logical-axis rules, and flax turns them into PartitionSpecs
+(`flax.linen.logical_to_mesh_axes(axes, table)`, the function the model's activation hints use
+under `linen.logical_axis_rules`): the earlier rule wins, and a rule whose mesh axes the array
+already uses is skipped whole (a later rule for the same name is its fallback). What flax does
+not do is ours: the divisibility checks (parallel/sharding.py) and the padding of uneven shards
+(parallel/padding.py).
 """
 import dataclasses
-
-from jax.sharding import PartitionSpec
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -93,13 +98,3 @@ def mesh_axes(part) -> tuple[str, ...]:
   """One entry of a rule or a PartitionSpec (None, an axis name, or a tuple of names) as a tuple."""
   return (part,) if isinstance(part, str) else tuple(part or ())
 
-
-def to_mesh_spec(logical_axes, rules) -> PartitionSpec:
-  """('embed', 'mlp') -> PartitionSpec(...) under `rules`; a mesh axis is used at most once."""
-  table = dict(rules)
-  used, spec = set(), []
-  for name in logical_axes:
-    targets = tuple(t for t in mesh_axes(table.get(name)) if t not in used)
-    used.update(targets)
-    spec.append(targets[0] if len(targets) == 1 else (targets or None))
-  return PartitionSpec(*spec)

@@ -3,9 +3,10 @@ import math
 
 import jax
 from flax import nnx
+from flax.linen import logical_to_mesh_axes
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallel.rules import PADDED_AXES, mesh_axes, to_mesh_spec
+from parallel.rules import PADDED_AXES, mesh_axes
 
 
 def shard_ways(mesh: Mesh, part) -> int:
@@ -39,8 +40,8 @@ def logical_axes_tree(abstract_state):
 
 def shardings_for(axes_tree, mesh: Mesh, rules):
   """NamedSharding per leaf of a tree of logical axis tuples."""
-  return jax.tree.map(lambda axes: NamedSharding(mesh, to_mesh_spec(axes, rules)), axes_tree,
-                      is_leaf=lambda x: isinstance(x, tuple))
+  return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_mesh_axes(axes, rules)),
+                      axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
@@ -74,7 +75,7 @@ def fit_to_shapes(shapes, shardings):
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """Sharding of a [batch, length] token array: rows split over the data-parallel axes, each row
   whole (under context parallelism the model puts it in zigzag order before splitting it)."""
-  return NamedSharding(mesh, to_mesh_spec(('batch', None), rules))
+  return NamedSharding(mesh, logical_to_mesh_axes(('batch', None), rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from models.attention import xla_attention
 from models.context import _sequence_order, context_attention, zigzag_order
 from parallel.mesh import make_mesh
-from parallel.rules import ACTIVATIONS, to_mesh_spec
+from parallel.rules import ACTIVATIONS
 from tests.helpers import reordered_rtol
 from tests.test_pipeline import config, train
 from train import checks, run
@@ -68,7 +68,7 @@ def test_context_attention_equals_the_reference_on_packed_rows(shards, method):
   want = reference(q, k, v)
   want_grads = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
   with jax.set_mesh(mesh), linen.logical_axis_rules(ACTIVATIONS):
-    placed = [jax.device_put(x, NamedSharding(mesh, to_mesh_spec(
+    placed = [jax.device_put(x, NamedSharding(mesh, linen.logical_to_mesh_axes(
         ('batch', None, 'heads' if x.shape[2] == heads else 'kv_heads', None), ACTIVATIONS)))
               for x in (q, k, v)]
     got = jax.jit(split)(*placed)

@@ -1,9 +1,10 @@
 """Meshes and logical-axis rules."""
 import pytest
+from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec as P
 
 from parallel.mesh import make_mesh, resolve_mesh_shape
-from parallel.rules import layout_rules, to_mesh_spec
+from parallel.rules import layout_rules
 
 
 def test_minus_one_takes_the_devices_left_over():
@@ -34,8 +35,8 @@ def test_make_mesh_names_every_axis():
 
 
 def test_batch_splits_over_both_data_parallel_axes_and_the_sequence_over_context():
-  assert to_mesh_spec(('batch', 'length'), layout_rules(0).activations) == P(('data', 'fsdp'),
-                                                                              'context')
+  assert logical_to_mesh_axes(('batch', 'length'), layout_rules(0).activations) == P(
+      ('data', 'fsdp'), 'context')
 
 
 @pytest.mark.parametrize('stage, sharded', [
@@ -43,16 +44,16 @@ def test_batch_splits_over_both_data_parallel_axes_and_the_sequence_over_context
 def test_each_zero_stage_shards_what_it_promises_over_fsdp(stage, sharded):
   rules = layout_rules(stage)
   for part in ('params', 'grads', 'optimizer'):
-    spec = to_mesh_spec(('layers', 'embed', 'mlp'), getattr(rules, part))
+    spec = logical_to_mesh_axes(('layers', 'embed', 'mlp'), getattr(rules, part))
     assert spec == (P('stage', ('fsdp', 'context'), 'tensor') if part in sharded else
                     P('stage', None, 'tensor')), part
 
 
 def test_tensor_parallel_splits_heads_mlp_and_vocabulary():
   rules = layout_rules(0).params
-  assert to_mesh_spec(('embed', 'heads', 'head_dim'), rules) == P(None, 'tensor', None)
-  assert to_mesh_spec(('heads', 'head_dim', 'embed'), rules) == P('tensor', None, None)
-  assert to_mesh_spec(('vocab', 'embed'), rules) == P('tensor', None)
+  assert logical_to_mesh_axes(('embed', 'heads', 'head_dim'), rules) == P(None, 'tensor', None)
+  assert logical_to_mesh_axes(('heads', 'head_dim', 'embed'), rules) == P('tensor', None, None)
+  assert logical_to_mesh_axes(('vocab', 'embed'), rules) == P('tensor', None)
 
 
 def test_an_unknown_zero_stage_is_refused():
@@ -60,6 +61,11 @@ def test_an_unknown_zero_stage_is_refused():
     layout_rules(4)
 
 
-def test_a_mesh_axis_is_used_once_per_spec():
-  rules = (('embed', 'fsdp'), ('mlp', ('fsdp', 'tensor')))
-  assert to_mesh_spec(('embed', 'mlp'), rules) == P('fsdp', 'tensor')
+def test_a_mesh_axis_is_used_once_per_spec_and_a_taken_rule_falls_back():
+  # flax's mapping goes down the table (an earlier rule wins, whatever the dimensions' order) and
+  # skips a rule whose mesh axes are taken, whole: a table that wants what is left names it in a
+  # later rule for the same logical axis.
+  rules = (('embed', 'fsdp'), ('mlp', ('fsdp', 'tensor')), ('mlp', 'tensor'))
+  assert logical_to_mesh_axes(('embed', 'mlp'), rules) == P('fsdp', 'tensor')
+  assert logical_to_mesh_axes(('mlp', 'embed'), rules) == P('tensor', 'fsdp')
+  assert logical_to_mesh_axes(('mlp',), rules) == P(('fsdp', 'tensor'))
