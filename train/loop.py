@@ -152,7 +152,8 @@ class NonFiniteWatch:
   and saves: where the loop reads from the devices anyway); `stop_if_too_many()` then raises.
   Bad steps are skipped on the device, so judging late never lets a non-finite value into the
   state; a run of bad steps that reaches max_bad_steps stops at the next judgement, naming the
-  step where it did."""
+  step where it did. (optax.apply_if_finite's counters, in the optimizer state, were considered:
+  they say how many but not which steps, and the skip they count does not fit: train/step.py.)"""
 
   def __init__(self, max_bad_steps: int):
     self.max_bad_steps = max_bad_steps

@@ -6,6 +6,12 @@ the loop reads after each step. Several processes: JAX's preemption sync point (
 service hears the SIGTERM and picks a step every process reaches, with no per-step traffic);
 SIGINT is turned into that same SIGTERM. A second SIGINT interrupts at once.
 
+orbax's `CheckpointManager.reached_preemption` was considered: it is the same JAX sync point, but
+it answers False where JAX's preemption service is off (a multi-process run would then be killed by
+the SIGTERM without a checkpoint; JAX's own call fails at the loop's first check instead, naming
+the setting) and on a Pathways proxy; and with one process (no `jax.distributed` client, so no
+service hears a signal) both always answer False, hence the handler here.
+
 `train.checkpoint_minutes` saves by wall clock, for runs whose periodic saves are hours apart.
 Clocks differ between processes, so with several the decision is process 0's, broadcast at logged
 steps only (where the loop waits for the step anyway).

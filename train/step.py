@@ -225,6 +225,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, policy: Policy, 
     # An inf or nan anywhere in the gradients makes their norm non-finite: one scalar decides
     # whether the update happens. A skipped step leaves parameters and optimizer state as they
     # were (so no non-finite value ever enters the state); the step counter moves on with the data.
+    # optax.apply_if_finite was considered and does not fit: after `max_consecutive_errors` bad
+    # steps in a row it applies the non-finite update (ours never does: the loop stops the run at
+    # train.max_bad_steps, train/loop.py); it judges the gradients alone (ours: the loss too, and
+    # the norm already taken); fp16 loss scaling needs this same verdict and must not count
+    # scaled overflows as bad steps; an offloaded optimizer (train/offload.py) updates outside
+    # tx.update; and its ApplyIfFiniteState would wrap the optimizer state, so no checkpoint
+    # saved so far would restore without a conversion.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     @jax.named_scope('optimizer')
