@@ -49,7 +49,11 @@ def main(argv):
     params = ptq.restore_params(_WORKDIR.value, config)
   except CheckpointError as e:
     sys.exit(f'error: {e}')
-  prepared = run.open_data(config, _WORKDIR.value)
+  sources = run.open_data(config, _WORKDIR.value)
+  if len(sources) > 1:   # one table of losses: a mixture's per-source split is not weighed here
+    sys.exit(f'error: the run trained on a mixture of {len(sources)} sources '
+             f'({", ".join(name for name, _, _ in sources)}); bench.ptq evaluates one')
+  (_, _, prepared), = sources
   windows = data_lib.Windows(prepared.split('val'), config.train.seq_len, config.data.packing)
   batches = data_lib.eval_batches(windows, batch_size=config.train.batch_size,
                                   eval_tokens=config.train.eval_tokens)

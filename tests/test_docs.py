@@ -1,8 +1,8 @@
 """The guides cannot rot: every command in README.md and docs/ runs, and what they name exists.
 
 A shell block (```sh) is run line by line, in order, in one scratch directory per guide that links
-the project's folders (so `runs/`, `prepared/` and the like land there and later blocks of the same
-guide see what earlier ones wrote). An HTML comment just above a block says how the test runs it:
+the project's `main.py`, `configs/` and `sweeps/` (so `runs/`, `prepared/` and the like land there,
+never in the project, and later blocks of the same guide see what earlier ones wrote). An HTML comment just above a block says how the test runs it:
 
   <!-- doc-test: preset=tiny --config.train.steps=2 bench.ptq:--flag=x fixture=corpus expect=REGEX -->
 
@@ -11,7 +11,7 @@ guide see what earlier ones wrote). An HTML comment just above a block says how 
 - `--flag`: appended to every `python main.py` line (absl keeps the last value given);
 - `MODULE:--flag`: appended to every `python -m MODULE` line;
 - `fixture=corpus` or `fixture=hf_llama`: what the block reads, made first (text, JSON Lines and
-  Parquet files under `corpus/`; a two-layer random Llama at `models/Llama-3.2-1B`);
+  Parquet files under `corpus/`; a two-layer random Llama at `hf-models/Llama-3.2-1B`);
 - `expect=REGEX`: the block's output must match;
 - `skip REASON`: not run (a SLURM script, the suite itself, CUDA wheels); the reason is required.
 
@@ -129,22 +129,27 @@ def _make_hf_llama(directory: str) -> None:
       vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
       rope_theta=10000.0, tie_word_embeddings=False)
-  transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(directory, 'models', 'Llama-3.2-1B'))
+  transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(directory, 'hf-models', 'Llama-3.2-1B'))
 
 
 FIXTURES = {'corpus': _make_corpus, 'hf_llama': _make_hf_llama}
 
 
-def _sandbox(directory: str) -> None:
-  """Links to the project's files, so documented relative paths work and outputs stay here."""
-  for name in os.listdir(ROOT):
-    if name not in ('runs', '.git') and not name.startswith('.'):
-      os.symlink(os.path.join(ROOT, name), os.path.join(directory, name))
+LINKED = ('main.py', 'configs', 'sweeps')   # what the guides name by a relative path
+
+
+def _sandbox(directory: str) -> dict:
+  """A scratch directory where the guides' relative paths work and every output stays: the
+  project's packages come from PYTHONPATH, and only what is read by path is linked in."""
+  for name in LINKED:
+    os.symlink(os.path.join(ROOT, name), os.path.join(directory, name))
+  path = os.environ.get('PYTHONPATH')
+  return {**os.environ, 'PYTHONPATH': ROOT + (os.pathsep + path if path else '')}
 
 
 @pytest.mark.parametrize('guide', GUIDES)
 def test_every_documented_command_runs(guide, tmp_path):
-  _sandbox(str(tmp_path))
+  env = _sandbox(str(tmp_path))
   made, ran = set(), 0
   for block in blocks(guide):
     if block['kind'] != 'sh':
@@ -160,8 +165,8 @@ def test_every_documented_command_runs(guide, tmp_path):
     script = ['set -euo pipefail', 'pids=()']
     script += [_shell_line(c, directive) for c in commands(block['body'])]
     script += ['for p in "${pids[@]}"; do wait "$p"; done']
-    result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=900)
+    result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f'{where} failed (exit {result.returncode}):\n{output[-3000:]}'
     for token in directive:
