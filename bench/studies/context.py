@@ -1,7 +1,7 @@
 """Context parallelism against sequence length: compiled per-device memory (total and temp) beside
 the analytic estimate, and the collectives of a step. Nothing is allocated.
 
-  python -m bench.studies.context            # README's table: 7b, 32k/64k/128k x context 1-8
+  python -m bench.studies.context            # docs/parallel.md's table: 7b, 32k/64k/128k x context 1-8
   python -m bench.studies.context --context_attention=ring --contexts=2,4,8   # the same, a ring
   python -m bench.studies.context --seq_lens=8192 --contexts=1,2 --preset=1b
   python -m bench.studies.context --compose [--context_attention=ring]   # every precision / quant

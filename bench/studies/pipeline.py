@@ -2,7 +2,7 @@
 and temp) beside the analytic estimate, and each step's collectives. Nothing is allocated.
 
   python -m bench.studies.pipeline [--stages=4,8] [--preset=small]
-  python -m bench.studies.pipeline --preset=7b --num_layers=32 --batch_size=64   # README's table
+  python -m bench.studies.pipeline --preset=7b --num_layers=32 --batch_size=64   # WORKSPACE's 7B table
   python -m bench.studies.pipeline --compose [--schedules=1f1b]   # every precision / quant mode /
                                                   # LoRA through a pipeline (the first schedule)
 
