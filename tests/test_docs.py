@@ -13,6 +13,8 @@ never in the project, and later blocks of the same guide see what earlier ones w
 - `fixture=corpus` or `fixture=hf_llama`: what the block reads, made first (text, JSON Lines and
   Parquet files under `corpus/`; a two-layer random Llama at `hf-models/Llama-3.2-1B`);
 - `expect=REGEX`: the block's output must match;
+- `needs=MODULE`: run only where MODULE imports (torch is a test requirement of the pinned stack
+  only);
 - `skip REASON`: not run (a SLURM script, the suite itself, CUDA wheels); the reason is required.
 
 `pip install -r FILE` is not run (CI installs from nothing); the file must exist. Inline code in the
@@ -132,6 +134,14 @@ def _make_hf_llama(directory: str) -> None:
   transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(directory, 'hf-models', 'Llama-3.2-1B'))
 
 
+def _importable(module: str) -> bool:
+  try:
+    __import__(module)
+    return True
+  except ImportError:
+    return False
+
+
 FIXTURES = {'corpus': _make_corpus, 'hf_llama': _make_hf_llama}
 
 
@@ -157,6 +167,9 @@ def test_every_documented_command_runs(guide, tmp_path):
     directive, where = block['directive'], f'{guide}:{block["line"]}'
     if directive[:1] == ['skip']:
       assert len(directive) > 1, f'{where}: a skipped block must say why'
+      continue
+    missing = [t for t in directive if t.startswith('needs=') and not _importable(t[6:])]
+    if missing:   # torch and transformers are test requirements of the pinned stack only
       continue
     for token in directive:
       if token.startswith('fixture=') and token not in made:
