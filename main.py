@@ -1,7 +1,7 @@
 """Train, dry-run or size a language model from a config file.
 
   python main.py --config=configs/default.py[:preset] [--config.key=value ...] [--workdir=DIR]
-                 [--host_devices=N] [--dry_run] [--plan --target=<N>x<GPU>]
+                 [--host_devices=N] [--dry_run [--target=<N>x<GPU>]] [--plan --target=<N>x<GPU>]
                  [--coordinator_address=H:P --num_processes=N --process_id=I]
 """
 import datetime
@@ -21,8 +21,13 @@ _HOST_DEVICES = flags.DEFINE_integer('host_devices', None, 'With no accelerator,
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, report its memory, run nothing.')
 _PLAN = flags.DEFINE_bool('plan', False, 'Find the fastest recipe that fits --target (compiles on '
                           'simulated CPU devices), and write it as a config file.')
-_TARGET = flags.DEFINE_string('target', None, 'With --plan: <N>x<GPU>, e.g. 8xA100-80GB, 64xH100-80GB, '
-                              '1xRTX4090-24GB, or <N>x<M>GB.')
+_TARGET = flags.DEFINE_string('target', None, 'With --plan or --dry_run: <N>x<GPU>, e.g. 8xA100-80GB, '
+                              '64xH100-80GB, 1xRTX4090-24GB, or <N>x<M>GB; --dry_run compiles for it '
+                              'with XLA:GPU on any machine (requirements-gpu-compile.txt).')
+_TARGET_CONFIG = flags.DEFINE_string(
+    'target_config', None, 'With --dry_run --target: a file holding the GPU\'s description as XLA '
+    'takes it (a GpuTargetConfig text proto, e.g. the *gpu_target_config.pbtxt that '
+    'XLA_FLAGS=--xla_dump_to=DIR writes on that GPU); default configs/gpu_targets.py\'s.')
 _PLAN_STAGES = flags.DEFINE_bool('plan_stages', True, 'With --plan: pipeline stages may be chosen '
                                   '(targets of several nodes).')
 _PLAN_ALLOW_PURE_BF16 = flags.DEFINE_bool(
@@ -37,9 +42,10 @@ _PEER_TIMEOUT = flags.DEFINE_float('peer_timeout', 60, 'Multi-host: seconds with
                                    'another process after which the others stop (exit code 75).')
 
 
-def _init_jax(config, plan_devices: int | None = None) -> list[str]:
+def _init_jax(config, plan_devices: int | None = None, gpu_target: bool = False) -> list[str]:
   """The persistent compilation cache, the GPU's XLA flags, device simulation and multi-host
-  set-up: all before JAX touches a backend. Returns the XLA flags added (GPU defaults)."""
+  set-up: all before JAX touches a backend. `gpu_target`: the step compiles for GPUs that need
+  not be here (parallel/target.py). Returns the XLA flags added (GPU defaults)."""
   import jax
   from configs import default
   from parallel import xla_flags
@@ -48,6 +54,14 @@ def _init_jax(config, plan_devices: int | None = None) -> list[str]:
     compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE))
   except compile_cache.CacheDirError as e:
     sys.exit(f'error: {e}')
+  if gpu_target:
+    from parallel.target import TargetCompileError, prepare
+    try:
+      added = prepare()
+    except TargetCompileError as e:
+      sys.exit(f'error: {e}')
+    jax.config.update('jax_platforms', 'cpu')
+    return added
   if plan_devices:   # a plan compiles for the target's device count, on the CPU whatever is here
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', plan_devices)
@@ -142,13 +156,24 @@ def main(argv):
   target = None
   if _PLAN.value or _TARGET.value:
     from plan.target import TargetError, parse_target
-    if not (_PLAN.value and _TARGET.value):
-      sys.exit('error: --plan and --target=<N>x<GPU> go together (e.g. --plan --target=8xA100-80GB)')
+    if not _TARGET.value or not (_PLAN.value or _DRY_RUN.value) or (_PLAN.value and _DRY_RUN.value):
+      sys.exit('error: --target=<N>x<GPU> goes with --plan (the fastest recipe for it) or with '
+               '--dry_run (this config compiled for it), one of them: e.g. --plan '
+               '--target=8xA100-80GB')
     try:
       target = parse_target(_TARGET.value)
     except TargetError as e:
       sys.exit(f'error: {e}')
-  added_flags = _init_jax(_CONFIG.value, plan_devices=target.count if target else None)
+    if _TARGET_CONFIG.value is not None and not (_DRY_RUN.value and
+                                                 os.path.isfile(_TARGET_CONFIG.value)):
+      sys.exit(f'error: --target_config={_TARGET_CONFIG.value!r}: ' + (
+          'no such file' if _DRY_RUN.value else 'it goes with --dry_run --target'))
+    if _DRY_RUN.value and _HOST_DEVICES.value is not None:
+      sys.exit(f'error: --host_devices={_HOST_DEVICES.value} with --target={_TARGET.value}: the '
+               f'target says the devices; drop one')
+  compiled_target = target if _DRY_RUN.value else None
+  added_flags = _init_jax(_CONFIG.value, plan_devices=target.count if _PLAN.value else None,
+                          gpu_target=compiled_target is not None)
   from data import DataError
   from train import checks, run
   from train.checkpoint import CheckpointError
@@ -164,10 +189,23 @@ def main(argv):
   if added_flags and jax.process_index() == 0:
     print(f'xla flags   GPU training defaults (a flag set in XLA_FLAGS keeps its value): '
           f'{" ".join(added_flags)}')
+  kind = 'plan' if _PLAN.value else 'dry-run'
   workdir = _WORKDIR.value or _default_workdir(
-      config.name if target is None else f'plan-{config.name}-{target}')
+      config.name if target is None else f'{kind}-{config.name}-{target}')
+  devices = None
+  if compiled_target is not None:
+    from parallel.target import TargetCompileError
+    from plan.target import compile_devices
+    try:
+      described = None
+      if _TARGET_CONFIG.value:
+        with open(_TARGET_CONFIG.value, encoding='utf-8') as f:
+          described = f.read()
+      devices = compile_devices(compiled_target, described)
+    except TargetCompileError as e:
+      sys.exit(f'error: {e}')
   try:
-    if target is not None:
+    if _PLAN.value:
       from plan.report import run_plan
       from plan.search import PlanError
       try:
@@ -181,7 +219,7 @@ def main(argv):
     # With several processes, each stops within --peer_timeout of another one's loss.
     with PeerWatch(_PEER_TIMEOUT.value, checkpoint_dir) as watch:
       if _DRY_RUN.value:
-        run.dry_run(config, workdir)
+        run.dry_run(config, workdir, devices, None if compiled_target is None else str(compiled_target))
       else:
         run.train_and_evaluate(config, workdir)
       watch.done()

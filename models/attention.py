@@ -8,7 +8,9 @@
   on any backend, so the CPU's dry runs and tests see the memory a GPU run will have;
 - `cudnn`: `jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU, bf16/fp16 only).
 
-`auto` picks `cudnn` on a GPU in 16-bit compute and `flash` everywhere else.
+`auto` picks `cudnn` on a GPU in 16-bit compute and `flash` everywhere else: on the platform the
+step is compiled for (`compiling_for`: a GPU target compiled on a CPU is a GPU's step), by default
+JAX's backend.
 
 All take q [b, t, heads, d] and k, v [b, t, kv_heads, d]; query head h reads KV head
 h // (heads / kv_heads). Packed rows (several documents in one row) pass `segments` [b, t] int, a
@@ -20,6 +22,9 @@ the softmax: nothing between the product and the softmax is rounded to the compu
 first would round q * 1/sqrt(d), inexact unless d is a power of 4). The probabilities are rounded
 to the compute dtype only as an operand of the product with v.
 """
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +40,29 @@ FLASH_BLOCK = 512
 FLASH_BLOCK_CPU = 64
 
 
+_COMPILE_PLATFORM = contextvars.ContextVar('compile_platform', default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Trace-time context: the model is traced for devices of `platform` (`gpu`, `cpu`), which the
+  choices below read instead of JAX's default backend (a step compiled for GPUs that are not
+  here is traced on a CPU)."""
+  token = _COMPILE_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _COMPILE_PLATFORM.reset(token)
+
+
+def compile_platform() -> str:
+  """The platform the model is being traced for: `compiling_for`'s, else JAX's backend."""
+  return _COMPILE_PLATFORM.get() or jax.default_backend()
+
+
 def flash_block(backend: str | None = None) -> int:
-  """Positions per flash block on `backend` (default: the one JAX runs on)."""
-  return FLASH_BLOCK_CPU if (backend or jax.default_backend()) == 'cpu' else FLASH_BLOCK
+  """Positions per flash block on `backend` (default: the one compiled for)."""
+  return FLASH_BLOCK_CPU if (backend or compile_platform()) == 'cpu' else FLASH_BLOCK
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -46,10 +71,10 @@ def _sixteen_bit(dtype) -> bool:
 
 
 def resolve(attention: str, compute_dtype, backend: str | None = None) -> str:
-  """The implementation `attention` stands for on `backend` (default: the one JAX runs on)."""
+  """The implementation `attention` stands for on `backend` (default: the one compiled for)."""
   if attention != 'auto':
     return attention
-  backend = backend or jax.default_backend()
+  backend = backend or compile_platform()
   return 'cudnn' if backend == 'gpu' and _sixteen_bit(compute_dtype) else 'flash'
 
 

@@ -40,3 +40,21 @@ def parse_target(text: str) -> Target:
     return Target(count, name, memory=float(custom.group(1)) * GB, **speeds)
   raise TargetError(f'unknown GPU {name!r} in --target={text!r}; known: {", ".join(GPUS)} '
                     f'(or <M>GB for a custom memory size with H100 speeds)')
+
+
+def description(target: Target):
+  """The device XLA:GPU compiles for (configs/gpu_targets.py); a custom `<M>GB` target is an H100
+  with M GB."""
+  from configs.gpu_targets import DESCRIPTIONS
+  if target.name in DESCRIPTIONS:
+    return DESCRIPTIONS[target.name]
+  return dataclasses.replace(DESCRIPTIONS['H100-80GB'], memory_bytes=int(target.memory))
+
+
+def compile_devices(target: Target, target_config: str | None = None) -> list:
+  """`target.count` compile-only devices of the target GPU, for XLA:GPU (after
+  parallel.target.prepare), described by `target_config` (a GpuTargetConfig text proto; default
+  the written description); TargetCompileError says why not."""
+  from parallel.target import compile_devices as devices, library_versions
+  text = target_config or description(target).target_config(**library_versions())
+  return devices(text, target.count, target.per_node)

@@ -53,12 +53,12 @@ def _dense_2d_backward(n_in, residuals, g):
   x, kernel = residuals
   rows, matrix = _as_matrices(x, kernel, n_in)
   g = g.reshape(rows.shape[0], matrix.shape[1])
-  rows_t = rows.T
-  if jax.default_backend() == 'cpu':
-    # A copy of x's transpose of its own ([in, rows]): without the barrier XLA folds the transpose
-    # into the dot and lays out the output gradient transposed instead, inside the elementwise
-    # fusion that produces it.
-    rows_t = jax.lax.optimization_barrier(rows_t)
+  # On XLA:CPU, a copy of x's transpose of its own ([in, rows]): without the barrier XLA folds the
+  # transpose into the dot and lays out the output gradient transposed instead, inside the
+  # elementwise fusion that produces it. Chosen by the platform the step is lowered for (a GPU
+  # target compiled on a CPU gets the GPU's program).
+  rows_t = jax.lax.platform_dependent(rows.T, cpu=jax.lax.optimization_barrier,
+                                      default=lambda t: t)
   return (g @ matrix.T).reshape(x.shape), (rows_t @ g).reshape(kernel.shape)
 
 

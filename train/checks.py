@@ -54,8 +54,9 @@ def model_config(config) -> ModelConfig:
     raise ConfigError(str(e)) from None
 
 
-def policy(config) -> Policy:
-  """The precision policy with the matmul recipe of `quant.*` inside it."""
+def policy(config, platform: str | None = None) -> Policy:
+  """The precision policy with the matmul recipe of `quant.*` inside it, for a step compiled for
+  `platform` (default: JAX's backend)."""
   try:
     recipe = MatmulRecipe.from_config(config.quant)
     recipe.check_inputs(model_config(config).matmul_inputs())
@@ -65,7 +66,7 @@ def policy(config) -> Policy:
                        f'history updates travel with the gradients, which loss scaling rescales; '
                        f'use precision bf16_mixed or bf16')
     refused = attention_refusal(config.model.get('attention', 'auto'), policy.compute_dtype,
-                                jax.default_backend())
+                                platform or jax.default_backend())
     if refused:
       raise ValueError(refused)
     return dataclasses.replace(policy, matmul=recipe)
@@ -87,10 +88,11 @@ def adapters(config) -> LoraSpec | None:
   return spec
 
 
-def model_spec(config) -> ModelSpec:
-  """The model, its precision, adapters and frozen-base storage, checked: a LoRA target regex
-  that matches no dense layer is refused naming some that exist."""
-  model, precision, lora = model_config(config), policy(config), adapters(config)
+def model_spec(config, platform: str | None = None) -> ModelSpec:
+  """The model, its precision, adapters and frozen-base storage, checked for a step compiled for
+  `platform` (default: JAX's backend): a LoRA target regex that matches no dense layer is refused
+  naming some that exist."""
+  model, precision, lora = model_config(config), policy(config, platform), adapters(config)
   base = config.quant.weights
   if base not in ('none',) + WEIGHT_FORMATS:
     raise ConfigError(f'quant.weights={base!r}; allowed: none, {", ".join(WEIGHT_FORMATS)}')

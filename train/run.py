@@ -18,6 +18,7 @@ from data import prepare as data_prepare, source as data_source
 from data.mixture import MixtureBatches
 from memory.compiled import compiled_memory_spaces, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate, offloaded
+from models.attention import compiling_for
 from models.config import COMPUTE_FIELDS, ModelConfig
 from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
@@ -60,11 +61,18 @@ class Setup:
     """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
     return pipeline_stack(self.pipeline, self.config, self.rules)
 
+  @property
+  def platform(self) -> str:
+    """What the step is compiled for: `gpu` for a GPU target compiled on a CPU."""
+    return self.mesh.devices.flat[0].platform
+
   def context(self):
-    """Trace-time context: the mesh, and the rules that turn activation hints into shardings."""
+    """Trace-time context: the mesh, the rules that turn activation hints into shardings, and
+    the platform compiled for."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(self.mesh))
     stack.enter_context(linen.logical_axis_rules(self.rules.activations))
+    stack.enter_context(compiling_for(self.platform))
     return stack
 
 
@@ -85,7 +93,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   `stored_block_axes`: how a checkpoint's 8-bit moments are blocked (they keep that blocking on
   any mesh: re-blocking would change their values)."""
   config, tokenizer_vocab = checks.follow_tokenizer(config)
-  spec = checks.model_spec(config)
+  spec = checks.model_spec(config, platform=(devices[0] if devices else jax.devices()[0]).platform)
   model, policy = spec.config, spec.policy
   try:
     mesh = make_mesh(dict(config.mesh), devices)
@@ -226,6 +234,9 @@ def memory_report(s: Setup, compiled) -> dict:
       'frozen_bytes': base,
       'mesh': dict(s.mesh.shape),
       'device_kind': s.mesh.devices.flat[0].device_kind,
+      # Which compiler's figures per_device_bytes are (XLA:CPU keeps fp32 copies of bf16 matmul
+      # operands that XLA:GPU does not: the two differ by tens of percent).
+      'compiler': compiler_name(s.platform),
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': device_bytes,
       'estimate_bytes': estimate_device,
@@ -244,6 +255,11 @@ def memory_report(s: Setup, compiled) -> dict:
   return report
 
 
+def compiler_name(platform: str) -> str:
+  """`XLA:GPU 0.10.2` and the like: the compiler of a platform, with the jax release it came in."""
+  return f'XLA:{"GPU" if platform == "gpu" else platform.upper()} {jax.__version__}'
+
+
 def step_shape(s: Setup, backend: str | None = None) -> StepShape:
   """What the analytic model (memory/estimate.py) needs to know of this setup's step, on
   `backend` (default: the platform of the mesh's devices)."""
@@ -254,7 +270,7 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
                    adam_bits=s.config.quant.adam_bits,
                    adam_block_size=s.config.quant.adam_block_size,
-                   backend=backend or s.mesh.devices.flat[0].platform,
+                   backend=backend or s.platform,
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                    **({} if s.pipeline is None else dict(
@@ -287,10 +303,12 @@ def _open_source(config):
   return source
 
 
-def dry_run(config, workdir: str) -> dict:
+def dry_run(config, workdir: str, devices=None, target: str | None = None) -> dict:
+  """Compile the step (and creating the state) and write memory.json; nothing runs. `devices`
+  (default: this process's): compile-only devices of `target` (`--target`, parallel/target.py)."""
   source = _open_source(config)
   checkpoints = _open_checkpoints(config, workdir)
-  s = setup(config, stored_block_axes=_stored_block_axes(checkpoints))
+  s = setup(config, devices, stored_block_axes=_stored_block_axes(checkpoints))
   if source is not None:
     init_from.check_source(s, source)
   # A bad glob, directory or tokenizer fails now, not when the real run starts.
@@ -300,6 +318,8 @@ def dry_run(config, workdir: str) -> dict:
       _check_checkpoints(s, checkpoints)
       checkpoints.close()
     _, memory = compile_and_report(s)
+    if target is not None:
+      memory['target'] = target
     # The state's creation, as a run makes it: its peak may exceed the step's (a whole-stack draw).
     memory['init_bytes'] = init_from.creation_bytes(s, source)
     print_summary(s, memory)

@@ -1,0 +1,91 @@
+"""Devices of GPUs that are not here: the CUDA plugin's compile-only topology. A step jitted for
+them and compiled (`.lower(...).compile()`) runs XLA:GPU's whole pipeline (fusion, scheduling,
+buffer assignment) on this machine's CPU, so its memory analysis is the GPU's own, before a GPU
+is rented. What JAX runs eagerly (shapes, the batch's placeholders) stays on the CPU.
+
+`prepare` must run before JAX starts a backend; `compile_devices` after it. The plugin is the CUDA
+plugin of the installed jax (requirements-gpu-compile.txt); no driver and no GPU are needed."""
+import importlib.metadata
+import os
+
+from parallel import xla_flags
+
+REQUIREMENTS = 'requirements-gpu-compile.txt'
+# Nothing to autotune without a device: XLA's sharded autotuning would wait for peers that are
+# not there.
+DEVICELESS_FLAGS = (('xla_gpu_shard_autotuning', 'false'),)
+# cuDNN and the CUDA runtime a target is assumed to run, where no CUDA package is installed to
+# say which the run will load (XLA chooses kernels, the cuDNN attention's among them, by them).
+DEFAULT_CUDNN = (9, 8, 0)
+
+
+class TargetCompileError(RuntimeError):
+  pass
+
+
+def plugin() -> str | None:
+  """The installed CUDA plugin's module (None: none is)."""
+  return next((m for m in xla_flags.CUDA_PLUGINS[:2] if xla_flags._installed(m)), None)
+
+
+def prepare(environ=os.environ) -> list[str]:
+  """Set before any backend starts: JAX on the CPU (the GPUs are compile-only devices), the
+  plugin's check of a driver skipped, and XLA's flags for a GPU training run (what a run on the
+  target gets: parallel/xla_flags.py; they change scheduling, hence memory) with sharded
+  autotuning off. Raises TargetCompileError, naming the requirements file, where no CUDA plugin is
+  installed. Returns the XLA flags added."""
+  if plugin() is None:
+    raise TargetCompileError(
+        f'--target compiles for the GPU with XLA:GPU, which needs the CUDA plugin of the installed '
+        f'jax: pip install -r {REQUIREMENTS} (about 6 GB; no GPU or driver needed)')
+  environ['JAX_PLATFORMS'] = 'cpu'
+  environ['JAX_SKIP_CUDA_CONSTRAINTS_CHECK'] = '1'
+  value, added = xla_flags.merged(environ.get('XLA_FLAGS', ''),
+                                  xla_flags.GPU_TRAINING_FLAGS + DEVICELESS_FLAGS)
+  environ['XLA_FLAGS'] = value
+  return added
+
+
+def _version(packages: tuple[str, ...], parts: int) -> tuple | None:
+  for package in packages:
+    try:
+      numbers = importlib.metadata.version(package).split('.')
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    return tuple(int(n) for n in numbers[:parts])
+  return None
+
+
+def library_versions() -> dict:
+  """The cuDNN and CUDA runtime versions a run of this installation loads (the pip packages the
+  CUDA plugin brought), or the defaults above."""
+  return {'cudnn': _version(('nvidia-cudnn-cu13', 'nvidia-cudnn-cu12'), 3) or DEFAULT_CUDNN,
+          'cuda_runtime': _version(('nvidia-cuda-runtime', 'nvidia-cuda-runtime-cu13',
+                                    'nvidia-cuda-runtime-cu12'), 2)}
+
+
+def topology(count: int, per_node: int) -> str:
+  """The plugin's topology string for `count` GPUs, `per_node` to a host: 1 x hosts x per host."""
+  if count <= per_node:
+    return f'1x1x{count}'
+  if count % per_node:
+    raise TargetCompileError(f'{count} GPUs do not fill nodes of {per_node}: compile for a '
+                             f'multiple of {per_node}, or for {per_node} or fewer')
+  return f'1x{count // per_node}x{per_node}'
+
+
+def compile_devices(target_config: str, count: int, per_node: int) -> list:
+  """`count` compile-only GPU devices described by `target_config` (a GpuTargetConfig text
+  proto), `per_node` to a host. After `prepare`."""
+  import jax
+  from jax.experimental import topologies
+  try:
+    described = topologies.get_topology_desc(platform='cuda',
+                                             topology=topology(count, per_node),
+                                             target_config=target_config)
+  except (jax.errors.JaxRuntimeError, RuntimeError, NotImplementedError) as e:
+    if isinstance(e, TargetCompileError):
+      raise
+    raise TargetCompileError(f'the CUDA plugin could not describe {count} GPUs: '
+                             f'{str(e).splitlines()[0]}') from None
+  return list(described.devices)
