@@ -10,6 +10,8 @@ how a gap between the estimate and the compiler is explained before either is ch
       --config.mesh.data=1 --config.mesh.fsdp=-1 --config.parallel.zero_stage=2 \\
       --config.train.batch_size=8 --config.train.microbatches=1
   python -m bench.buffers --top=30 --dump_dir=/tmp/dump     # keep XLA's dump files
+  python -m bench.buffers --config=configs/default.py:1b --target=1xH100-80GB   # XLA:GPU's program,
+      # compiled for that GPU on any machine (as main.py --dry_run --target)
 """
 import tempfile
 
@@ -20,20 +22,39 @@ _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Confi
 _TOP = flags.DEFINE_integer('top', 15, 'The largest live buffers listed.')
 _DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Keep XLA\'s dumps here (default: a scratch '
                                 'directory, removed).')
+_TARGET = flags.DEFINE_string('target', None, '<N>x<GPU>: compile for that GPU with XLA:GPU, here '
+                              '(requirements-gpu-compile.txt); default this machine\'s devices.')
 
 GiB = 2.0**30
+
+
+def _setup(config):
+  """The run's setup on this machine's devices, or on `--target`'s compile-only GPUs."""
+  from bench.measure import bench_setup
+  if _TARGET.value is None:
+    return bench_setup(config)
+  import jax
+  from parallel.target import TargetCompileError, prepare
+  from plan.target import TargetError, compile_devices, parse_target
+  from train.run import setup
+  try:
+    target = parse_target(_TARGET.value)
+    prepare()
+    jax.config.update('jax_platforms', 'cpu')
+    return setup(config, compile_devices(target))
+  except (TargetError, TargetCompileError) as e:
+    raise app.UsageError(str(e)) from None
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from bench.measure import bench_setup
   from memory.buffers import compile_with_dumps, read_peak
   from memory.compiled import format_bytes
   from train.run import lower_train_step, memory_report
 
   config = _CONFIG.value
-  s = bench_setup(config)
+  s = _setup(config)
   scratch = tempfile.TemporaryDirectory()
   directory = _DUMP_DIR.value or scratch.name
   lowered = lower_train_step(s)
@@ -42,8 +63,9 @@ def main(argv):
   report = memory_report(s, compiled)
   peak = read_peak(directory)
   compiled_bytes, estimate = report['per_device_bytes'], report['estimate_bytes']
-  print(f'{config.name} on {s.mesh.size} devices {dict(s.mesh.shape)}, ZeRO-{report["zero_stage"]}, '
-        f'{s.policy.name}, remat {s.model.remat}, per device:')
+  print(f'{config.name} on {s.mesh.size} x {report["device_kind"]} {dict(s.mesh.shape)}, '
+        f'ZeRO-{report["zero_stage"]}, {s.policy.name}, remat {s.model.remat}, compiled by '
+        f'{report["compiler"]}, per device:')
   print(f'  compiled   {format_bytes(compiled_bytes["total"])} = arguments '
         f'{format_bytes(compiled_bytes["arguments"])} + outputs {format_bytes(compiled_bytes["outputs"])}'
         f' - donated {format_bytes(compiled_bytes["aliased"])} + temp {format_bytes(compiled_bytes["temp"])}')

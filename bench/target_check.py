@@ -72,10 +72,25 @@ def parse_text_proto(text: str) -> dict:
 
 
 def description_differences(written: str, dumped: str) -> list[dict]:
-  """The fields where the device's own description differs from the written one."""
-  a, b = parse_text_proto(written), parse_text_proto(dumped)
-  return [{'field': k, 'written': a.get(k), 'device': b.get(k)}
-          for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  """The fields of the written description where the device's own (XLA's dump of it) differs. A
+  field the dump leaves out holds the proto's default (0); newer XLA writes the cuDNN version as
+  `gpu_device_info.dnn_version` rather than `dnn_version_info`."""
+  ours, device = parse_text_proto(written), parse_text_proto(dumped)
+  dnn = device.get('gpu_device_info.dnn_version')
+  if dnn and not any(k.startswith('dnn_version_info.') for k in device):
+    device.update(zip(('dnn_version_info.major', 'dnn_version_info.minor',
+                       'dnn_version_info.patch'), dnn.split('.')))
+  out = []
+  for key, value in ours.items():
+    theirs = device.get(key, '0')
+    same = value == theirs
+    try:
+      same = same or float(value) == float(theirs)
+    except ValueError:
+      pass
+    if not same:
+      out.append({'field': key, 'written': value, 'device': theirs})
+  return out
 
 
 PROBE = '''
@@ -157,14 +172,17 @@ def markdown(results: dict) -> str:
            f'`{results["command"]}` on {results["date"]}, jax {device["jax"]}; target '
            f'`{results["target"]}` compiled with XLA:GPU on the CPU (JAX_PLATFORMS=cpu).', '',
            '| case | deviceless (GiB) | attached compile (GiB) | allocator peak (GiB) | '
-           'deviceless ÷ peak | GPU estimate (GiB) |', '|---|---:|---:|---:|---:|---:|']
+           'deviceless ÷ peak | GPU estimate (GiB) | earlier peak (GiB) |',
+           '|---|---:|---:|---:|---:|---:|---:|']
   f = lambda v: '' if v is None else f'{v / GiB:.3f}'
   for name, r in results['cases'].items():
     ratio = (r['deviceless_bytes'] / r['peak_bytes'] if r.get('deviceless_bytes')
              and r.get('peak_bytes') else None)
     lines.append(f'| {name} | {f(r.get("deviceless_bytes"))} | {f(r.get("attached_bytes"))} | '
                  f'{f(r.get("peak_bytes"))} | {"" if ratio is None else f"{ratio:.4f}"} | '
-                 f'{f(r.get("estimate_gpu_bytes"))} |')
+                 f'{f(r.get("estimate_gpu_bytes"))} | {f(r.get("earlier_peak_bytes"))} |')
+  if results.get('earlier'):
+    lines += ['', f'Earlier peak: {results["earlier"]}']
   diffs = results.get('description_differences')
   lines += ['', 'The device\'s description (XLA\'s dump) against configs/gpu_targets.py: '
             + ('not dumped' if diffs is None else 'identical' if not diffs else '')]

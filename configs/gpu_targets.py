@@ -17,14 +17,16 @@ per block; 2,048 threads per SM on 8.0 and 9.0, 1,536 on 8.6 and 8.9), and
                   (`nvidia-smi -q -d CLOCK` on one)
   H200-141GB      the H100 SXM's chip (NVIDIA H200 datasheet: same compute) with 141 GB HBM3e;
                   checked against a real H200's own description (XLA's dump of it, `python -m
-                  bench.target_check`; WORKSPACE.md says what differed)
+                  bench.target_check`): it differed in the L2 (60 MB, not the H100's 50), the
+                  memory (150,109,880,320 bytes) and the bandwidth (4.814 TB/s), now the device's
   GH200-96GB      the H100's chip (NVIDIA GH200 datasheet) with 96 GB HBM3 at 4 TB/s
   L40S-48GB       NVIDIA L40S datasheet: 142 SMs (18,176 CUDA cores), 2,520 MHz boost, 96 MB L2
   RTX4090-24GB    NVIDIA Ada Lovelace architecture whitepaper, appendix A: 128 SMs (16,384 CUDA
                   cores), 2,520 MHz boost, 72 MB L2
 Memory sizes are what the device reports (`nvidia-smi`'s MiB, times 2**20), not the datasheet's
-decimal GB: 81,559 MiB for an H100 80GB HBM3, 143,771 for an H200, 81,920 and 40,960 for the
-A100s, 46,068 for an L40S, 24,564 for an RTX 4090, 97,871 for a GH200 (its HBM part).
+decimal GB: 81,559 MiB for an H100 80GB HBM3, 81,920 and 40,960 for the A100s, 46,068 for an
+L40S, 24,564 for an RTX 4090, 97,871 for a GH200 (its HBM part). On the H200 XLA saw 615 MiB
+less than `nvidia-smi`'s 143,771 MiB; the others keep `nvidia-smi`'s figure (not checked on one).
 """
 import dataclasses
 
@@ -69,11 +71,12 @@ class DeviceDescription:
     return '\n'.join(lines) + '\n'
 
 
-def _hopper(device_kind: str, name: str, mib: int) -> DeviceDescription:
+def _hopper(device_kind: str, name: str, memory_bytes: int, l2_mib: int = 50,
+            bandwidth: float | None = None) -> DeviceDescription:
   return DeviceDescription(device_kind, (9, 0), sms=132, fp32_lanes_per_sm=128, clock_ghz=1.98,
-                           l2_bytes=50 * MiB, shared_per_sm=228 * 1024,
-                           shared_per_block_optin=227 * 1024, memory_bytes=mib * MiB,
-                           bandwidth=GPUS[name]['hbm'])
+                           l2_bytes=l2_mib * MiB, shared_per_sm=228 * 1024,
+                           shared_per_block_optin=227 * 1024, memory_bytes=memory_bytes,
+                           bandwidth=bandwidth or GPUS[name]['hbm'])
 
 
 def _ampere(device_kind: str, name: str, mib: int) -> DeviceDescription:
@@ -93,9 +96,12 @@ def _ada(device_kind: str, name: str, mib: int, sms: int, l2_mib: int) -> Device
 DESCRIPTIONS = {   # configs/hardware.py's name -> the device
     'A100-40GB': _ampere('NVIDIA A100-SXM4-40GB', 'A100-40GB', 40960),
     'A100-80GB': _ampere('NVIDIA A100-SXM4-80GB', 'A100-80GB', 81920),
-    'H100-80GB': _hopper('NVIDIA H100 80GB HBM3', 'H100-80GB', 81559),
-    'H200-141GB': _hopper('NVIDIA H200', 'H200-141GB', 143771),
-    'GH200-96GB': _hopper('NVIDIA GH200 480GB', 'GH200-96GB', 97871),
+    'H100-80GB': _hopper('NVIDIA H100 80GB HBM3', 'H100-80GB', 81559 * MiB),
+    # The device's own figures (bench/results/target-config-nvidia-h200.txtpb): 60 MB of L2 where
+    # the H100 has 50, the memory XLA sees, and the bandwidth the CUDA driver computes.
+    'H200-141GB': _hopper('NVIDIA H200', 'H200-141GB', 150_109_880_320, l2_mib=60,
+                          bandwidth=4.814304e12),
+    'GH200-96GB': _hopper('NVIDIA GH200 480GB', 'GH200-96GB', 97871 * MiB),
     'L40S-48GB': _ada('NVIDIA L40S', 'L40S-48GB', 46068, sms=142, l2_mib=96),
     'RTX4090-24GB': _ada('NVIDIA GeForce RTX 4090', 'RTX4090-24GB', 24564, sms=128, l2_mib=72),
 }
