@@ -66,6 +66,10 @@ def _init_jax(config, plan_devices: int | None = None, gpu_target: bool = False)
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', plan_devices)
     return []
+  if not jax.config.jax_platforms and xla_flags.cuda_plugin_without_gpu():
+    # The CUDA plugin is installed (for --target, say) but no GPU is here: JAX would try it first
+    # and print a traceback before falling back to the CPU.
+    jax.config.update('jax_platforms', 'cpu')
   added = xla_flags.apply(jax.config.jax_platforms)
   host_devices = _HOST_DEVICES.value if _HOST_DEVICES.value is not None else config.get('host_devices', 0)
   if not isinstance(host_devices, int) or host_devices < 0 or _HOST_DEVICES.value == 0:

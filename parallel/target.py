@@ -25,7 +25,7 @@ class TargetCompileError(RuntimeError):
 
 def plugin() -> str | None:
   """The installed CUDA plugin's module (None: none is)."""
-  return next((m for m in xla_flags.CUDA_PLUGINS[:2] if xla_flags._installed(m)), None)
+  return next((m for m in xla_flags.CUDA_PLUGINS if xla_flags._installed(m)), None)
 
 
 def prepare(environ=os.environ) -> list[str]:

@@ -66,6 +66,12 @@ def cuda_expected(platforms: str | None, environ=os.environ) -> bool:
   return bool(glob.glob('/dev/nvidia[0-9]*')) or os.path.exists('/dev/dxg')   # /dev/dxg: WSL 2
 
 
+def cuda_plugin_without_gpu(environ=os.environ) -> bool:
+  """A CUDA plugin is installed where JAX will not find a CUDA GPU (a CPU machine that compiles
+  for GPU targets)."""
+  return any(_installed(m) for m in CUDA_PLUGINS) and not cuda_expected(None, environ)
+
+
 def apply(platforms: str | None, environ=os.environ) -> list[str]:
   """Adds the GPU training defaults the user's XLA_FLAGS leaves unset, when JAX will run on a CUDA
   GPU; returns the flags added (none on any other backend)."""

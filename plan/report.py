@@ -19,21 +19,29 @@ def _gb(n: float) -> str:
   return f'{n / 1e9:.1f} GB'
 
 
-def compile_total(config, devices: int) -> int | str | None:
-  """The compiled per-device peak of `config` on `devices` simulated CPU devices (its train step's
-  total, or creating its state where that needs more: a plan whose state cannot be created does
-  not fit), or why it did not compile. Each compile is `main.py --dry_run` of the config file in a
-  child process: XLA:CPU can abort on a layout it cannot compile, which must not take the plan
-  down."""
+def verifier() -> str:
+  """The compiler that verifies a plan: XLA:GPU for the target's GPUs where the CUDA plugin is
+  installed (parallel/target.py), else XLA:CPU on as many simulated devices; as `gpu` or `cpu`."""
+  from parallel.target import plugin
+  return 'gpu' if plugin() else 'cpu'
+
+
+def compile_total(config, target: Target, backend: str) -> int | str | None:
+  """The compiled per-device peak of `config` on the target (its train step's total, or creating
+  its state where that needs more: a plan whose state cannot be created does not fit), or why it
+  did not compile: with XLA:GPU for the target's GPUs (`backend` gpu) or XLA:CPU on as many
+  simulated devices (cpu). Each compile is `main.py --dry_run` of the config file in a child
+  process: XLA can abort on a layout it cannot compile, which must not take the plan down."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, 'candidate.py')
     write_config(path, config, 'A plan candidate.')
-    # XLA's partitioner warnings are not ours; and the compile is for simulated CPU devices even on
-    # a machine with accelerators (whose count is not the target's).
+    # XLA's partitioner warnings are not ours; and the compile runs on the CPU even on a machine
+    # with accelerators (whose count is not the target's).
     env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3', 'JAX_PLATFORMS': 'cpu'}
+    devices = f'--target={target}' if backend == 'gpu' else f'--host_devices={target.count}'
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={path}', '--dry_run',
-         f'--host_devices={devices}', f'--workdir={os.path.join(tmp, "w")}'],
+        [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={path}', '--dry_run', devices,
+         f'--workdir={os.path.join(tmp, "w")}'],
         cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
       lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
@@ -44,8 +52,8 @@ def compile_total(config, devices: int) -> int | str | None:
       memory = json.load(f)
     total = memory.get('per_device_bytes', {}).get('total')   # None: plan() says so
     # What the step writes to host memory (an offloaded optimizer's new state) XLA:CPU keeps in
-    # device temp; on a GPU it is host memory.
-    if total is not None:
+    # device temp; on a GPU it is host memory (and XLA:GPU reports it apart).
+    if total is not None and backend == 'cpu':
       total -= memory.get('host_bytes', {}).get('outputs', 0)
     creation = memory.get('init_bytes', {}).get('peak')
     return total if total is None or creation is None else max(total, creation)
@@ -71,9 +79,15 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
         f'{config.train.seq_len} tokens per step')
   print(f'            {assumptions(target)}')
-  chosen, ranked = plan(config, target, lambda c: compile_total(c, target.count),
+  backend = verifier()
+  import jax
+  print(f'            verified by compiling with XLA:{backend.upper()} {jax.__version__} '
+        + ('for the target\'s GPUs (compile-only devices)' if backend == 'gpu' else
+           f'on {target.count} simulated CPU devices (XLA:GPU needs the CUDA plugin: pip install -r '
+           f'requirements-gpu-compile.txt); the estimate ranks as that compiler holds the step'))
+  chosen, ranked = plan(config, target, lambda c: compile_total(c, target, backend),
                         log=lambda line: print(f'            {line}', flush=True), stages=stages,
-                        allow_pure_bf16=allow_pure_bf16)
+                        allow_pure_bf16=allow_pure_bf16, backend=backend)
   print(f'\n| rank | recipe | estimate per device | host memory per node | step time (estimate) | '
         f'compute | DP comm | TP comm | pipeline comm | context comm | host transfer '
         f'| compiled per device |')
@@ -100,11 +114,12 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
             f'{tokens / chosen.seconds["total"]:,.0f} tokens/s.\n\n'
             f'Run it on the target:  python main.py --config={path}\n'
             f'Size it here:          python main.py --config={path} --dry_run '
-            f'--host_devices={target.count}')
+            + (f'--target={target}' if backend == 'gpu' else f'--host_devices={target.count}'))
   write_config(path, planned, header)
   with open(os.path.join(workdir, 'plan.json'), 'w', encoding='utf-8') as f:
     json.dump({'target': str(target), 'recipe': str(chosen.recipe), 'config': path,
                'compiled_bytes': chosen.compiled, 'estimate_bytes': chosen.device_bytes,
+               'compiler': f'XLA:{backend.upper()} {jax.__version__}',
                'host_bytes_per_node': chosen.host.get('total', 0) * min(target.count,
                                                                          target.per_node),
                'step_seconds': chosen.seconds['total'], 'seconds': chosen.seconds,

@@ -1,5 +1,8 @@
 """The planner: every recipe the target can run, the ones the analytic model says fit, ranked by
-estimated step time, the fastest verified by compiling its train step on simulated devices.
+estimated step time, the fastest verified by compiling its train step for the target: with XLA:GPU
+for the target's compile-only GPUs where the CUDA plugin is installed (parallel/target.py), else
+with XLA:CPU on as many simulated devices. The estimate ranks as the verifying compiler compiles
+(`backend`: its GPU or its CPU terms).
 
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x context shards (long sequences)
 x remat x microbatches, and on
@@ -18,6 +21,7 @@ otherwise the plan says what it gave up by keeping an fp32 master (`tradeoff`).
 """
 import dataclasses
 import itertools
+import math
 import time
 
 import ml_collections
@@ -44,7 +48,7 @@ class PlanError(ValueError):
 @dataclasses.dataclass
 class Candidate:
   recipe: Recipe
-  estimate: dict          # analytic bytes per device, by component (as XLA:CPU compiles the step)
+  estimate: dict          # analytic bytes per device, by component (as the verifier compiles it)
   seconds: dict           # estimated step time, by component
   compiled: int | str | None = None   # bytes per device, or why it did not compile
   host: dict = dataclasses.field(default_factory=dict)   # bytes per device in host memory, on a GPU
@@ -122,7 +126,8 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
   return found
 
 
-def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
+def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Candidate:
+  """A recipe's estimated bytes (as `backend`'s compiler holds them) and step time."""
   cfg = checks.model_config(config)
   policy = get_policy(recipe.precision)
   dp = target.count // (recipe.tensor * recipe.stages * recipe.context)
@@ -132,8 +137,8 @@ def evaluate(config, recipe: Recipe, target: Target) -> Candidate:
                     context=recipe.context, tensor=recipe.tensor, zero_stage=recipe.zero_stage,
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
-                    pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule)
-  shape = dataclasses.replace(shape, offload_optimizer=recipe.offload)
+                    pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,
+                    backend=backend, offload_optimizer=recipe.offload)
   cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)
@@ -171,14 +176,15 @@ def _frozen(config, precision: str) -> Frozen | None:
 
 
 def plan(config, target: Target, compile_total, log=print, stages: bool = True,
-         allow_pure_bf16: bool = False) -> tuple[Candidate, list[Candidate]]:
+         allow_pure_bf16: bool = False, backend: str = 'gpu') -> tuple[Candidate, list[Candidate]]:
   """(the chosen candidate, every candidate ranked). `compile_total(config) -> bytes` compiles a
-  config's train step on `target.count` simulated devices, or says why it could not (a string; a
-  compile without a memory total is unverified, never fitting); `stages`: pipeline stages may be
-  chosen (multi-node targets); `allow_pure_bf16`: recipes without an fp32 master may be chosen.
-  Raises PlanError when nothing fits."""
+  config's train step for the target (`backend`: the platform it compiles with, whose terms the
+  estimate ranks with), or says why it could not (a string; a compile without a memory total is
+  unverified, never fitting); `stages`: pipeline stages may be chosen (multi-node targets);
+  `allow_pure_bf16`: recipes without an fp32 master may be chosen. Raises PlanError when nothing
+  fits."""
   budget = target.memory * (1 - MARGIN)
-  candidates = [evaluate(config, r, target) for r in recipes(config, target, stages)]
+  candidates = [evaluate(config, r, target, backend) for r in recipes(config, target, stages)]
   if not candidates:
     raise PlanError(f'no recipe can split batch {config.train.batch_size} over {target}: the '
                     f'global batch must divide over the data-parallel devices')
@@ -192,13 +198,7 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
         f'rounds every update to bf16; pass --plan_allow_pure_bf16 to accept that, or use more '
         f'devices')
   if not fitting:
-    closest = min(candidates, key=lambda c: c.device_bytes)
-    need = closest.device_bytes
-    raise PlanError(
-        f'nothing fits {target}: the smallest recipe ({closest.recipe}) needs an estimated '
-        f'{need / 1e9:.1f} GB per device, {need / budget:.2f}x the {budget / 1e9:.1f} GB usable '
-        f'({target.memory / 1e9:.3g} GB less {MARGIN:.0%} margin); use about '
-        f'{need / budget:.1f}x as many devices or a larger GPU')
+    raise PlanError(nothing_fits(candidates, target, budget))
   log(f'{len(candidates)} recipes, {len(fitting)} fit by the estimate; compiling the fastest '
       f'to verify (at most {MAX_COMPILES})')
   tried = fitting[:MAX_COMPILES]
@@ -226,6 +226,28 @@ def plan(config, target: Target, compile_total, log=print, stages: bool = True,
   raise PlanError(f'the {len(tried)} fastest recipes the estimate accepted on {target}: '
                   f'{len(tried) - len(failed)} compile above the {budget / 1e9:.1f} GB '
                   f'usable{also}; the estimate is too optimistic here')
+
+
+def nothing_fits(candidates: list[Candidate], target: Target, budget: float) -> str:
+  """Why no recipe fits the target, by the estimate: the device memory of every recipe, or the
+  host memory of those whose device memory fits (offloaded state)."""
+  host_budget = target.host_memory * (1 - HOST_MARGIN)
+  per_node = min(target.count, target.per_node)
+  on_device = [c for c in candidates if c.device_bytes <= budget]
+  if on_device:   # each fits the device, and offloads more than a node's host memory holds
+    closest = min(on_device, key=lambda c: c.host.get('total', 0))
+    need = closest.host.get('total', 0) * per_node
+    return (f'nothing fits {target}: the recipes that fit the device memory offload too much; the '
+            f'smallest ({closest.recipe}) needs an estimated {need / 1e9:.0f} GB of host memory per '
+            f'node, {need / host_budget:.2f}x the {host_budget / 1e9:.0f} GB usable '
+            f'({target.host_memory / 1e9:.0f} GB less {HOST_MARGIN:.0%}); use nodes with more host '
+            f'memory, or more devices')
+  closest = min(candidates, key=lambda c: c.device_bytes)
+  need = closest.device_bytes
+  return (f'nothing fits {target}: the smallest recipe ({closest.recipe}) needs an estimated '
+          f'{need / 1e9:.1f} GB per device, {need / budget:.2f}x the {budget / 1e9:.1f} GB usable '
+          f'({target.memory / 1e9:.3g} GB less {MARGIN:.0%} margin); use about '
+          f'{math.ceil(need / budget * 10) / 10:.1f}x as many devices or a larger GPU')
 
 
 def _compiled_bytes(total) -> int | float | str:

@@ -7,7 +7,8 @@ results) and the config overrides that make it. Sweep files build them with four
   zipped(a, b, ...)                                  # the i-th of each together
 
 An override key is a dotted config key (`train.seed`, `mesh.fsdp`), or `config` (the config file
-and preset, `configs/fsdp.py:7b`), `target` (with command `plan`: `--target`), or `bench_steps` /
+and preset, `configs/fsdp.py:7b`), `target` (with command `plan` or `dry_run`: `--target`; a dry run
+then compiles for that GPU with XLA:GPU), or `bench_steps` /
 `bench_warmup` (with command `bench`: bench.train_step's `--steps` / `--warmup`).
 """
 import dataclasses

@@ -75,7 +75,7 @@ class Job:
     else:
       argv = [sys.executable, os.path.join(ROOT, 'main.py'), f'--config={config_flag}']
     for key, value in overrides.items():
-      if key == 'target':   # plan's, below
+      if key == 'target' and self.command == 'plan':   # below
         continue
       if key in FLAG_KEYS:
         argv.append(f'{FLAG_KEYS[key]}={_text(value)}')

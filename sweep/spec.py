@@ -163,7 +163,7 @@ def check(sweep: Sweep) -> None:
   from data.prepare import open_tokenizer
   from parallel.mesh import resolve_mesh_shape
   from train import checks
-  errors = (checks.ConfigError, DataError, ValueError)
+  errors = (checks.ConfigError, DataError, ValueError)   # plan.target's TargetError is a ValueError
   for point in [*sweep.before.values(), *sweep.points]:
     config = config_of(sweep, point)
     command = 'train' if point.labels.get('before') else sweep.command
@@ -173,14 +173,19 @@ def check(sweep: Sweep) -> None:
                                 or not isinstance(value, int) or value < (key == 'bench_steps')):
         raise SweepError(f'point {point.name}: {key}={value!r}; it is a whole number (steps at '
                          f'least 1, warm-up at least 0) for command bench only')
+    target = sweep.settings(point)[1].get('target')
+    if target is not None and command not in ('plan', 'dry_run'):
+      raise SweepError(f'point {point.name}: target={target!r} goes with command plan or dry_run '
+                       f'only (this sweep runs {command})')
     try:
-      checks.model_spec(config)
+      from plan.target import parse_target
+      checks.model_spec(config, platform='gpu' if target else None)
       if command == 'plan':
-        from plan.target import parse_target
-        parse_target(sweep.settings(point)[1].get('target'))
+        parse_target(target)
         continue
       cpu = jax.default_backend() == 'cpu'
-      devices = (config.get('host_devices') or 1) if cpu else jax.device_count()
+      devices = (parse_target(target).count if target else
+                 (config.get('host_devices') or 1) if cpu else jax.device_count())
       shape = resolve_mesh_shape(config.mesh.to_dict(), devices)
       data_parallel = shape['data'] * shape['fsdp']
       checks.check_config(config, data_parallel=data_parallel, process_count=1,

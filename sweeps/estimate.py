@@ -1,11 +1,15 @@
 """The memory estimate itself measured: the analytic per-device total (memory/estimate.py) against
 the compiled one, with the error in percent, over every layout at every scale and the features
-that change what a step holds.
+that change what a step holds, for two compilers: XLA:CPU (simulated CPU devices) and XLA:GPU
+(compile-only H100s, `--dry_run --target`: the CUDA plugin, requirements-gpu-compile.txt). Each
+point's estimate models its own compiler.
 
-  python -m sweep --sweep=sweeps/estimate.py --workdir=runs/sweep-estimate
+  python -m sweep --sweep=sweeps/estimate.py --workdir=runs/sweep-estimate        # both
+  python -m sweep --sweep=sweeps/estimate.py:cpu --workdir=runs/sweep-estimate    # XLA:CPU only
+  python -m sweep --sweep=sweeps/estimate.py:gpu --workdir=runs/sweep-estimate    # XLA:GPU only
 
-Dry runs only (compiled on simulated CPU devices, nothing allocated; the compiled figure is the
-installed jax's XLA:CPU, which results.md names). Points, bf16 compute with fp32 master weights
+Dry runs only (nothing allocated; the compiled figure is the installed jax's, which results.md
+names). Points, bf16 compute with fp32 master weights
 and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unless named:
 - the FSDP-against-DDP grid: the 100m, 1b, 7b and 70b presets x 8, 64 and 512 devices x DDP,
   ZeRO-1, ZeRO-2, ZeRO-3 and ZeRO-3 with 4-way tensor parallelism (sweeps/fsdp_vs_ddp.py's);
@@ -18,7 +22,7 @@ and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unles
 - the recipes the planner chose for 7b on 8 GPUs and 70b on 64 (bench/results/plans/).
 A point's `model` names its case (`7b-32k`, `1b-fp32`), so no two cases share a line.
 """
-from sweep.grid import axis, choices, product, zipped
+from sweep.grid import Point, axis, choices, product, zipped
 from sweeps.fsdp_vs_ddp import DEVICES, LAYOUTS, MODELS
 
 EIGHT = {'host_devices': 8, 'train.batch_size': 8}
@@ -32,7 +36,26 @@ def case(model: str, layouts: dict, **overrides) -> list:
                  choices('layout', layouts))
 
 
-def get_sweep():
+COMPILERS = {'cpu': 'XLA:CPU', 'gpu': 'XLA:GPU'}
+GPU = 'H100-80GB'
+
+
+def compiled_by(compiler: str, points: list) -> list:
+  """The points compiled by `compiler` (a label): on the GPU, for as many H100s as the point has
+  simulated devices."""
+  out = []
+  for p in points:
+    overrides = dict(p.overrides)
+    if compiler == 'gpu':
+      overrides['target'] = f'{overrides.get("host_devices", 1)}x{GPU}'
+    out.append(Point({**p.labels, 'compiler': COMPILERS[compiler]}, overrides))
+  return out
+
+
+def get_sweep(arg: str | None = None):
+  if arg not in (None, *COMPILERS):
+    raise ValueError(f'sweeps/estimate.py:{arg}: the argument is one of {", ".join(COMPILERS)} '
+                     f'(or none: both)')
   devices = zipped(axis('host_devices', DEVICES, label='devices'),
                    axis('train.batch_size', DEVICES, label=''))   # one sequence per device
   grid = product(choices('model', MODELS), devices, choices('layout', LAYOUTS))
@@ -97,18 +120,26 @@ def get_sweep():
       command='dry_run',
       config='configs/default.py',
       overrides={'precision': 'bf16_mixed', 'model.remat': 'full', 'train.microbatches': 1},
-      points=[*grid, *cases, *planned, *one_device],
+      points=[p for compiler in ([arg] if arg else list(COMPILERS))
+              for p in compiled_by(compiler, [*grid, *cases, *planned, *one_device])],
       metrics=('params_m', 'compiled_gb', 'estimate_gb', 'estimate_error', 'wall_s'),
-      charts=(
-          dict(file='error.png', x='devices', y='estimate_error', series='layout', panels='model',
-               where={'model': list(MODELS)}, logx=True, hline=5, hline_label='+5 %',
-               ylabel='estimate - compiled (% of compiled)',
-               title='The analytic estimate against the compiled per-device total as devices '
-                     'are added'),
-          dict(file='cases.png', x='model', y='estimate_error', series='layout', kind='scatter',
-               where={'model': [p.labels['model'] for p in [*cases, *planned, *one_device]]},
-               hline=5, hline_label='+5 %', ylabel='estimate - compiled (% of compiled)',
-               title='The analytic estimate against the compiled per-device total: GPT-2 shapes, '
-                     'precisions, pipelines, LoRA, long context, the default run'),
-      ),
+      charts=tuple(chart for compiler in ([arg] if arg else list(COMPILERS))
+                   for chart in charts(compiler, [p.labels['model']
+                                                  for p in [*cases, *planned, *one_device]])),
   )
+
+
+def charts(compiler: str, case_models: list) -> list:
+  """The grid's and the cases' error charts of one compiler's points."""
+  name = COMPILERS[compiler]
+  return [
+      dict(file=f'error-{compiler}.png', x='devices', y='estimate_error', series='layout',
+           panels='model', where={'model': list(MODELS), 'compiler': [name]}, logx=True, hline=5,
+           hline_label='+5 %', ylabel='estimate - compiled (% of compiled)',
+           title=f'The analytic estimate against {name}\'s per-device total as devices are added'),
+      dict(file=f'cases-{compiler}.png', x='model', y='estimate_error', series='layout',
+           kind='scatter', where={'model': case_models, 'compiler': [name]}, hline=5,
+           hline_label='+5 %', ylabel='estimate - compiled (% of compiled)',
+           title=f'The analytic estimate against {name}\'s per-device total: GPT-2 shapes, '
+                 f'precisions, pipelines, LoRA, long context, the default run'),
+  ]

@@ -29,7 +29,8 @@ def project_modules() -> dict[str, str]:
   """Dotted module name -> file, for every Python file outside the tests."""
   found = {}
   for folder, dirs, files in os.walk(ROOT):
-    dirs[:] = [d for d in dirs if d not in SKIP]
+    # Hidden folders are not the project's: .git, and the README's .venv-* environments.
+    dirs[:] = [d for d in dirs if d not in SKIP and not d.startswith('.')]
     for name in files:
       if name.endswith('.py'):
         path = os.path.join(folder, name)

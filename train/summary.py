@@ -12,12 +12,10 @@ def print_summary(s, memory: dict) -> None:
   if jax.process_index() != 0:
     return
   compiled, estimated = memory['per_device_bytes'], memory['estimate_bytes']
-  devices = jax.devices()
   print(f'config      {s.config.name}  (precision {s.policy.name}: {s.policy.description})')
   quant = s.config.quant
   print(f'quant       matmuls {describe_recipe(s.policy.matmul)}; Adam moments {quant.adam_bits}-bit')
-  print(f'devices     {len(devices)} x {devices[0].platform} in {jax.process_count()} process(es); '
-        f'mesh {dict(s.mesh.shape)}')
+  print(f'devices     {_devices(s, memory)}; mesh {dict(s.mesh.shape)}')
   print(f'model       {s.model.num_params / 1e6:.2f} M parameters, {s.model.num_layers} layers, '
         f'd_model {s.model.d_model}, vocabulary {s.model.vocab_size:,}, remat {s.model.remat}')
   adapters = s.spec.adapters
@@ -41,10 +39,11 @@ def print_summary(s, memory: dict) -> None:
   print(f'compiled    train step in {memory["compile_seconds"]:.1f} s '
         f'({compile_cache.describe(memory["compile_cache_hit"])})')
   b = format_bytes
-  print(f'memory      per device, compiled: {b(compiled["total"])} = arguments '
+  print(f'memory      per device, compiled by {memory["compiler"]}: {b(compiled["total"])} = arguments '
         f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
         f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
-  print(f'            per device, estimate: {b(estimated["total"])} = params {b(estimated["params"])}'
+  print(f'            per device, estimate (analytic, of XLA:{_backend(s)}): {b(estimated["total"])} = '
+        f'params {b(estimated["params"])}'
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
         + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32', 'host_writes') if estimated.get(k)))
@@ -55,7 +54,7 @@ def print_summary(s, memory: dict) -> None:
     if 'estimate_host_bytes' in memory:
       line += f'; estimate: {b(memory["estimate_host_bytes"]["total"])} per device'
     print(line)
-    if s.mesh.devices.flat[0].platform == 'cpu':
+    if s.platform == 'cpu':
       print('            (XLA:CPU keeps in device temp what a step writes to host memory: '
             'host_writes above; a GPU does not)')
   if 'init_bytes' in memory:
@@ -63,9 +62,14 @@ def print_summary(s, memory: dict) -> None:
     print(f'            creating the state, compiled: peak {b(init["peak"])} per device (the state '
           f'itself {b(init["state"])})'
           + ('; above the step\'s' if init['peak'] > compiled['total'] else ''))
-  if s.mesh.devices.flat[0].platform == 'cpu':
+  if s.platform == 'cpu':
     print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (without '
-          f'XLA:CPU\'s fp32 copies of bf16 matmul operands)')
+          f'XLA:CPU\'s fp32 copies of bf16 matmul operands); XLA:GPU\'s own figure: --dry_run '
+          f'--target=<N>x<GPU>')
+  if 'target' in memory:
+    print(f'note        the figures are XLA:GPU\'s of jax {jax.__version__}: a run under another jax '
+          f'compiles another program (the 1b step of WORKSPACE.md: 34.71 GiB on 0.10.2, 31.09 on '
+          f'0.11.2); compile with the jax the GPUs will run')
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives per step per device: ' + ('; '.join(
       f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
@@ -75,3 +79,17 @@ def print_summary(s, memory: dict) -> None:
   if s.mesh.shape['context'] > 1:
     print(f'note        mesh.context={s.mesh.shape["context"]}: attention is the context-parallel '
           f'blockwise kernel (models/context.py) whatever model.attention says')
+
+
+def _backend(s) -> str:
+  return 'GPU' if s.platform == 'gpu' else s.platform.upper()
+
+
+def _devices(s, memory: dict) -> str:
+  """What the step was compiled for: this process's devices, or a target's compile-only GPUs."""
+  devices = list(s.mesh.devices.flat)
+  if 'target' in memory:
+    hosts = len({d.process_index for d in devices})
+    return (f'{len(devices)} x {devices[0].device_kind} on {hosts} host(s), compile-only '
+            f'(--target={memory["target"]}: XLA:GPU on this machine\'s CPU, nothing allocated)')
+  return f'{len(devices)} x {devices[0].platform} in {jax.process_count()} process(es)'
