@@ -9,7 +9,7 @@ import pytest
 from configs import default
 from plan.search import MARGIN, PlanError, evaluate, plan, recipes
 from plan.target import TargetError, parse_target
-from plan.report import compile_total, run_plan
+from plan.report import compile_total, run_plan, verifier
 
 
 def test_targets_are_parsed():
@@ -95,7 +95,7 @@ def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   planned = module.get_config()
-  compiled = compile_total(planned, target.count)
+  compiled = compile_total(planned, target, verifier())
   assert isinstance(compiled, int) and compiled <= target.memory * (1 - MARGIN)
   assert planned.mesh.to_dict()['data'] * planned.mesh.fsdp * planned.mesh.tensor == 2
   assert os.path.basename(path) == 'planned_config.py'

@@ -1,0 +1,114 @@
+"""Compiling for GPUs that are not here (`--dry_run --target`, parallel/target.py,
+configs/gpu_targets.py): the targets' descriptions, the compile-only devices and what a step
+compiled for them is. The compiles need the CUDA plugin of the installed jax
+(requirements-gpu-compile.txt, which the test requirements include); where it is missing they are
+skipped with that reason."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from bench.target_check import description_differences, parse_text_proto
+from configs.gpu_targets import DESCRIPTIONS
+from configs.hardware import DEVICE_KINDS, GPUS
+from parallel import target as target_lib
+from plan.target import compile_devices, parse_target
+from tests.helpers import tiny_config
+from tests.test_run import ROOT, main_py
+
+needs_plugin = pytest.mark.skipif(
+    target_lib.plugin() is None,
+    reason='the CUDA plugin of jax is not installed: pip install -r requirements-gpu-compile.txt')
+
+
+def test_every_gpu_the_planner_knows_has_a_description_of_its_kind():
+  assert set(DESCRIPTIONS) == set(GPUS)
+  for name, description in DESCRIPTIONS.items():
+    assert DEVICE_KINDS[description.device_kind] == name
+    # The device reports binary units where the datasheet says decimal GB: within 10 %.
+    assert abs(description.memory_bytes / GPUS[name]['memory'] - 1) < 0.10, name
+    fields = parse_text_proto(description.target_config())
+    assert fields['gpu_device_info.core_count'] == str(description.sms)
+    assert fields['device_description_str'] == description.device_kind
+
+
+def test_the_h200_description_is_what_a_real_h200_reported():
+  """bench/results/target-config-nvidia-h200.txtpb is XLA's dump of a real H200's description
+  (`python -m bench.target_check` on one, jax 0.11.2 with cuDNN 9.19 and CUDA 13.0): every field
+  the written description sets is the device's."""
+  with open(os.path.join(ROOT, 'bench', 'results', 'target-config-nvidia-h200.txtpb')) as f:
+    dumped = f.read()
+  written = DESCRIPTIONS['H200-141GB'].target_config(cudnn=(9, 19, 0), cuda_runtime=(13, 0))
+  assert description_differences(written, dumped) == []
+  wrong = dataclasses.replace(DESCRIPTIONS['H200-141GB'], l2_bytes=50 * 2**20)
+  assert [d['field'] for d in description_differences(
+      wrong.target_config(cudnn=(9, 19, 0), cuda_runtime=(13, 0)), dumped)] == [
+          'gpu_device_info.l2_cache_size']
+
+
+@pytest.mark.parametrize('count, per_node, topology', [
+    (1, 8, '1x1x1'), (8, 8, '1x1x8'), (64, 8, '1x8x8'), (8, 4, '1x2x4')])
+def test_a_target_fills_whole_nodes(count, per_node, topology):
+  assert target_lib.topology(count, per_node) == topology
+
+
+def test_a_target_that_leaves_a_node_part_full_is_refused():
+  with pytest.raises(target_lib.TargetCompileError, match='12 GPUs do not fill nodes of 8'):
+    target_lib.topology(12, 8)
+
+
+def test_without_the_plugin_a_target_compile_names_the_requirements_file(monkeypatch):
+  monkeypatch.setattr(target_lib, 'plugin', lambda: None)
+  environ = {}
+  with pytest.raises(target_lib.TargetCompileError, match='requirements-gpu-compile.txt'):
+    target_lib.prepare(environ)
+  assert environ == {}   # nothing set before the refusal
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--target=2xH100-80GB'], '--target=<N>x<GPU> goes with --plan'),
+    (['--dry_run', '--plan', '--target=2xH100-80GB'], 'one of them'),
+    (['--dry_run', '--target=2xH100-80GB', '--host_devices=2'], 'the target says the devices'),
+    (['--dry_run', '--target=2xH100-80GB', '--target_config=/no/such/file'], 'no such file'),
+    (['--dry_run', '--target=2xH100'], "unknown GPU 'H100'"),
+])
+def test_bad_target_flags_are_refused_in_one_line_before_anything_is_written(tmp_path, args,
+                                                                             message):
+  result = main_py('--config=configs/default.py:tiny', f'--workdir={tmp_path / "w"}', *args)
+  assert result.returncode != 0 and 'Traceback' not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / 'w').exists()
+
+
+@needs_plugin
+def test_a_step_compiled_for_gpus_is_the_gpus_program():
+  """On compile-only H100s the step is XLA:GPU's: the attention `auto` picks on a GPU in bf16 is
+  cuDNN's fused kernel (the CPU's would be the flash kernel), and the estimate beside it is the
+  one of a GPU."""
+  import re
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': -1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0})
+  s = run.setup(config, compile_devices(parse_target('2xH100-80GB')))
+  compiled = run.compile_train_step(s)
+  report = run.memory_report(s, compiled)
+  assert report['compiler'].startswith('XLA:GPU ')
+  assert report['device_kind'] == 'NVIDIA H100 80GB HBM3' and report['mesh']['data'] == 2
+  assert any(t.startswith('__cudnn$fmha')
+             for t in re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
+  assert report['estimate_bytes'] == report['estimate_gpu_bytes']
+  assert 0 < report['per_device_bytes']['total'] < 2**30
+
+
+@needs_plugin
+def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
+  workdir = tmp_path / 'w'
+  result = main_py('--config=configs/fsdp.py:tiny', '--dry_run', '--target=16xH100-80GB',
+                   '--config.train.batch_size=16', f'--workdir={workdir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  memory = json.loads((workdir / 'memory.json').read_text())
+  assert memory['compiler'].startswith('XLA:GPU ') and memory['target'] == '16xH100-80GB'
+  assert memory['mesh']['fsdp'] == 16 and memory['per_device_bytes']['total'] > 0
+  assert 'on 2 host(s), compile-only' in result.stdout
+  assert memory['collectives_per_step']['reduce-scatter']['count'] > 0
