@@ -34,6 +34,9 @@ def main(argv):
     signal.signal(signum, signal.default_int_handler)
   # This process only checks configs: it must not take an accelerator's memory from its points.
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+  from parallel.xla_flags import cuda_plugin_without_gpu
+  if cuda_plugin_without_gpu():   # installed for --target: JAX would try it, and print a traceback
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   from data import DataError
