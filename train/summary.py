@@ -67,9 +67,8 @@ def print_summary(s, memory: dict) -> None:
           f'XLA:CPU\'s fp32 copies of bf16 matmul operands); XLA:GPU\'s own figure: --dry_run '
           f'--target=<N>x<GPU>')
   if 'target' in memory:
-    print(f'note        the figures are XLA:GPU\'s of jax {jax.__version__}: a run under another jax '
-          f'compiles another program (the 1b step of WORKSPACE.md: 34.71 GiB on 0.10.2, 31.09 on '
-          f'0.11.2); compile with the jax the GPUs will run')
+    print(f'note        the figures are XLA:GPU\'s of jax {jax.__version__}: XLA\'s fusion and '
+          f'scheduling change between releases, so compile with the jax the GPUs will run')
   active = {k: v for k, v in memory['collectives_per_step'].items() if v['count']}
   print('collectives per step per device: ' + ('; '.join(
       f'{k} {v["count"]} ops, {b(v["bytes"])} in all' for k, v in active.items()) or 'none'))
