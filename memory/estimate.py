@@ -164,6 +164,11 @@ class StepShape:
     return self.zero_stage >= 3 and self.fsdp > 1
 
 
+def on_gpu(shape: 'StepShape') -> bool:
+  """Whether the step is compiled by XLA:GPU (`--target`, or a GPU's own devices)."""
+  return shape.backend == 'gpu'
+
+
 def upcasts(policy: Policy, backend: str) -> bool:
   """Whether the compiler converts the operands of bf16 matmuls to fp32: XLA:CPU up to jax 0.10
   (it had fp16 matmuls, not bf16 ones); see cpu_upcasts_bf16."""
@@ -543,9 +548,16 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # 8 devices, jax 0.12.0.1, bench/buffers.py: an f32[128256, 2048] convert at the peak).
   cpu_head_copy = shape.backend == 'cpu' and jnp.dtype(policy.compute_dtype) == jnp.bfloat16
   table_copy = int(shape.gathers_params or cpu_bf16 or cpu_head_copy)
+  if on_gpu(shape):
+    # XLA:GPU gathers (ZeRO-3) and casts the table in the compute dtype: one compute-dtype copy
+    # where the head's operand is not the parameter itself (1b on 8 H100s, bench.buffers
+    # --target: a bf16[128256, 2048] gather under ZeRO-3, a convert of the fp32 table under DDP).
+    table_copy = policy.compute_bytes / FP32 * int(
+        shape.gathers_params or policy.param_bytes > policy.compute_bytes)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
-  # reduce-scatter (see `held`).
+  # reduce-scatter (see `held`); XLA:GPU forms them after the head's backward peak.
   full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
+  head_grads = 0 if on_gpu(shape) else full_grads
   # With microbatches, loop-invariant copies are hoisted out of the microbatch loop and stay for
   # the whole step. Under ZeRO-3: the gathered tables, i.e. the lookup's and the head's, and on CPU
   # with bf16 compute the head's as an fp32 copy of its cast and a bf16 one in the transposed
@@ -568,24 +580,24 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # neighbours).
   cast_slot = (policy.compute_bytes / FP32 if shape.gathers_params and cpu_bf16
                and policy.param_bytes > policy.compute_bytes and cfg.remat != 'none' else 0)
-  head = (max(table_copy, hoisted) + full_grads + cast_slot) * table
+  head = (max(table_copy, hoisted) + head_grads + cast_slot) * table
   # Held through the layers' backward: the lookup's gradient, and a tied table's head gradient,
   # which waits to be summed with it; an untied head's is reduced as soon as it is formed (7b
   # ZeRO-3 on 64 devices, bench/buffers.py: one [32000, 4096] fp32 gradient at the layer peak).
   held = (hoisted + (1 + int(cfg.tie_embeddings)) * full_grads) * table
   # At the end of the backward pass the two full-size gradients are summed and reduced (on CPU an
-  # all-reduce, then each device keeps its slice), its input and output beside them.
-  reduction = (hoisted + 4 * full_grads) * table
-  # The fp32 logits and their gradient (and the compute-dtype gradient the head's matmul takes),
-  # for the whole sequence, or with `model.loss_chunk` for one chunk of positions at a time.
+  # all-reduce, then each device keeps its slice), its input and output beside them; XLA:GPU
+  # reduce-scatters the sum into a shard (1b ZeRO-3 on 8 H100s: its peak is the head's).
+  reduction = (hoisted + (2 if on_gpu(shape) else 4) * full_grads) * table
+  # The fp32 logits and their gradient, for the whole sequence, or with `model.loss_chunk` for one
+  # chunk of positions at a time. No compute-dtype copy of the gradient beside them: XLA:CPU with
+  # bf16 compute gives the head's matmul an fp32 copy of it (laid out transposed) in place of the
+  # 16-bit one (1b ZeRO-2 on 8 devices, bench/buffers.py: the gradient and its transposed copy,
+  # no bf16 one; jax 0.10 and 0.12 alike), XLA:GPU fuses the cast into the matmul (1b on one and
+  # on 8 H100s, bench.buffers --target: two fp32 [tokens, vocabulary] buffers at the peak).
   chunked = 0 < cfg.loss_chunk < shape.local_len
   logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
-  # On XLA:CPU with bf16 compute the head's matmul takes an fp32 copy of the gradient (laid out
-  # transposed) in place of the 16-bit one: two fp32 buffers either way (1b ZeRO-2 on 8 devices,
-  # bench/buffers.py: the gradient and its transposed copy, no bf16 one; jax 0.10 and 0.12 alike).
-  sixteen_bit = policy.compute_bytes < FP32 and shape.backend != 'cpu'
-  logits = logit_tokens * cfg.vocab_size / shape.tensor * (
-      2 * FP32 + (policy.compute_bytes if sixteen_bit else 0))
+  logits = logit_tokens * cfg.vocab_size / shape.tensor * 2 * FP32
   # The final norm's input and output and their gradients, fp32.
   logits += 4 * shape.tokens * cfg.d_model * FP32
   return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
@@ -662,6 +674,12 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
   update runs)."""
   ways = shards(cfg, shape, 1)
+  if shape.adam_bits == 32 and on_gpu(shape):
+    # XLA:GPU fuses the whole update (and the select that skips a non-finite step,
+    # train/step.py) into one elementwise pass per weight, in place: no buffer of its own (100m
+    # and 7b DDP on 8 H100s, bench.buffers --target: the peak is the backward's). Under ZeRO-1/2
+    # the new weights are gathered whole (below), not a layer at a time.
+    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape)}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
@@ -671,6 +689,17 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
   return {'chain': 4 * largest / UPDATE_SLICES}
+
+
+def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-1/2 on XLA:GPU: the updated weights all-gathered whole into buffers of their own before
+  they are written (train/step.py:apply_updates writes a stacked weight a layer at a time, but
+  XLA:GPU gathers the whole stack first: 100m and 1b ZeRO-2 on 8 H100s, bench.buffers --target,
+  every stacked weight and the table as full fp32 all-gathers at the peak), while the gradients
+  are shards."""
+  if shape.zero_stage not in (1, 2) or shape.fsdp == 1:
+    return 0
+  return shape.stage_params(cfg) * policy.param_bytes / shape.tensor
 
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -762,7 +791,6 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   there on XLA:CPU (see `offloaded`); on a GPU the device holds instead what streams through it:
   one layer's optimizer state during the update, one layer's frozen base, one layer's block input
   on its way to host memory."""
-  on_gpu = shape.backend != 'cpu'
   if shape.context > 1:   # the context-parallel attention is the blockwise kernel (models/context.py)
     cfg = dataclasses.replace(cfg, attention='flash')
   offloads_activations = cfg.remat in OFFLOADED_REMAT
@@ -792,8 +820,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
       shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches))
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
-  update = (update_bytes(cfg, policy, shape) if frozen is None else
-            {'chain': n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
+  # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
+  # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits).
+  unformed = (cfg.embedding_params * p / shards(cfg, shape, 2)
+              if on_gpu(shape) and frozen is None else 0)
+  update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
+            {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
   if shape.offload_optimizer:   # the update runs a layer (or the other weights) at a time
     rest = cfg.num_params - cfg.num_layers * cfg.params_per_layer
     update = {'chain': update['chain'] * max(cfg.params_per_layer, rest) / n}
@@ -806,7 +838,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
   common = microbatch_grads + copies + pipeline_grads
-  head_phase = {'activations': saved + vocab['logits'], 'temporaries': common + vocab['head']}
+  head_phase = {'activations': saved + vocab['logits'],
+                'temporaries': common + vocab['head'] - unformed}
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
@@ -825,7 +858,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     loop = one_f_one_b_loop(cfg, policy, shape, frozen)
     backward = {'activations': loop['activations'], 'temporaries': common + loop['temporaries']}
   # The update holds the gradients and the update's buffers; the activations are gone by then.
+  # Where XLA:GPU gathers the new weights whole (ZeRO-1/2), the gradients are optimizer shards.
   update_phase = update['chain']
+  if update.get('gathered'):
+    update_phase += update['gathered'] + n * p / shards(cfg, shape, 1) - grads
   parts = {
       'params': params,
       'grads': grads,
@@ -839,16 +875,16 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # The moments reach the device a layer at a time, inside the update: no moment is formed
     # early (70b ZeRO-3 on 8 devices: compiled 192.44 GiB, -0.4 % from the estimate without it).
     parts['moment_fp32'] = 0
-    if on_gpu:
+    if on_gpu(shape):
       parts['optimizer'] = streamed_state_bytes(cfg, policy, shape)
     else:   # XLA:CPU writes the new state into its temp: the size of the state
       parts['optimizer'], parts['host_writes'] = 0, optimizer
   if shape.offload_frozen and frozen is not None:
     base = offloaded(cfg, policy, shape, frozen)['frozen']
     parts['params'] -= base
-    if on_gpu:   # one layer's base on its way in, the next one's prefetched
+    if on_gpu(shape):   # one layer's base on its way in, the next one's prefetched
       parts['params'] += 2 * base / cfg.num_layers
-  if offloads_activations and on_gpu:
+  if offloads_activations and on_gpu(shape):
     saved_on_host = activation_bytes(cfg, policy, shape)
     parts['activations'] = max(0, parts['activations'] - saved_on_host) + 2 * (
         saved_on_host / cfg.num_layers)
