@@ -852,7 +852,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   convert_phase = {'activations': saved + converted + ring
                    + (shape.tokens * cfg.d_model * policy.compute_bytes if converted else 0),
                    'temporaries': common + shard_copies + vocab['held']}
-  backward = max(head_phase, layer_phase, reduction_phase, convert_phase,
+  # On XLA:GPU, the head's weight gradient formed: the logits' gradient (one fp32 buffer) beside
+  # the full-size head and lookup gradients (1b ZeRO-3 on 64 H100s, bench.buffers --target: three
+  # fp32 [vocabulary, d_model] buffers at the peak).
+  weight_phase = ({'activations': saved + vocab['logits'] / 2,
+                   'temporaries': common + vocab['held']} if on_gpu(shape) else {})
+  backward = max(head_phase, layer_phase, reduction_phase, convert_phase, weight_phase,
                  key=lambda phase: sum(phase.values()))
   if shape.backward_in_loop:
     loop = one_f_one_b_loop(cfg, policy, shape, frozen)

@@ -181,13 +181,16 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
 
 
 def host_memory_refusal(what: str, kinds: list[str] | None = None,
-                        platform: str | None = None) -> str | None:
+                        platform: str | None = None, device=None) -> str | None:
   """Why `what` (a config key asking for host memory) cannot run here, or None: the devices
-  (default: this process's; or their memory `kinds` and `platform`) must offer JAX's
-  `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31)."""
+  (`device`, default this process's first; or their memory `kinds` and `platform`) must offer
+  JAX's `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31). A compile-only device
+  (`--target`) lists no memories: the target's compiler places host memory itself."""
   if kinds is None:
-    device = jax.devices()[0]
+    device = device or jax.devices()[0]
     kinds, platform = [m.kind for m in device.addressable_memories()], device.platform
+    if not kinds and platform == 'gpu':
+      return None
   if 'pinned_host' in kinds:
     return None
   return (f'{what} needs host memory (JAX memory kind pinned_host), which {platform} devices '
@@ -195,14 +198,15 @@ def host_memory_refusal(what: str, kinds: list[str] | None = None,
           f'False')
 
 
-def offload(config, *, stages: int) -> None:
-  """`parallel.offload_*`: booleans, on devices with host memory, with what they stream."""
+def offload(config, *, stages: int, device=None) -> None:
+  """`parallel.offload_*`: booleans, on devices with host memory (`device`'s: default this
+  process's), with what they stream."""
   # A config saved before these keys existed (a run's config.json, a planned config) has neither.
   offloads = {key: config.parallel.get(key, False) for key in ('offload_optimizer', 'offload_frozen')}
   for key, value in offloads.items():
     if not isinstance(value, bool):
       raise ConfigError(f'parallel.{key}={value!r}; it must be True or False')
-    if value and (refused := host_memory_refusal(f'parallel.{key}=True')):
+    if value and (refused := host_memory_refusal(f'parallel.{key}=True', device=device)):
       raise ConfigError(refused)
   if offloads['offload_optimizer']:
     if config.quant.adam_bits == 8:

@@ -107,7 +107,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                       tokenizer_vocab=tokenizer_vocab, context=mesh.shape['context'])
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
-  checks.offload(config, stages=mesh.shape['stage'])
+  checks.offload(config, stages=mesh.shape['stage'], device=mesh.devices.flat[0])
   offload = config.parallel.get('offload_optimizer', False)
   rules = layout_rules(config.parallel.zero_stage)
   block_axes = (_block_axes(moment_block_axes(spec, mesh, rules), stored_block_axes)
