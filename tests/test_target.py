@@ -114,3 +114,20 @@ def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
   assert memory['mesh']['fsdp'] == 16 and memory['per_device_bytes']['total'] > 0
   assert 'on 2 host(s), compile-only' in result.stdout
   assert memory['collectives_per_step']['reduce-scatter']['count'] > 0
+
+
+@needs_plugin
+def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
+  """JAX's cuDNN attention cannot be batched over pipeline stages with a segment mask: on GPUs a
+  pipeline of packed rows runs `auto` as the flash kernel (and compiles), and refuses `cudnn`."""
+  from train import checks, run
+  overrides = {'precision': 'bf16_mixed', 'mesh.stage': 2, 'mesh.fsdp': 1, 'mesh.data': -1,
+               'parallel.zero_stage': 0, 'parallel.pipeline_microbatches': 2, 'model.num_layers': 4}
+  devices = compile_devices(parse_target('4xH100-80GB'))
+  s = run.setup(tiny_config(**overrides), devices)
+  assert s.model.attention == 'flash'
+  assert run.memory_report(s, run.compile_train_step(s))['per_device_bytes']['total'] > 0
+  with pytest.raises(checks.ConfigError, match="cuDNN attention cannot take packed rows"):
+    run.setup(tiny_config(**overrides, **{'model.attention': 'cudnn'}), devices)
+  unpacked = run.setup(tiny_config(**overrides, **{'data.packing': False}), devices)
+  assert unpacked.model.attention == 'auto'   # cuDNN's kernel where no segment mask is batched

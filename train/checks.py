@@ -7,6 +7,7 @@ from flax import nnx
 
 from models import ModelConfig, Transformer
 from models.attention import refusal as attention_refusal
+from models.attention import resolve as resolve_attention
 from models.lora import LoraSpec, check_targets
 from optim.adam8bit import BLOCK_SIZES
 from optim.adamw import ADAM_BITS
@@ -222,6 +223,22 @@ def offload(config, *, stages: int, device=None) -> None:
                       'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')
 
 
+def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str) -> ModelSpec:
+  """The spec with the attention a pipeline of packed rows can run: JAX's cuDNN attention cannot
+  be batched over the stages with the rows' segment mask (its batching rule reshapes the mask to
+  one per head: the step does not compile, jax 0.10.2 and 0.11.2, 7b on 4 stages of H100s). There
+  `auto` is the flash kernel, and `cudnn` itself is refused."""
+  chosen = resolve_attention(spec.config.attention, spec.policy.compute_dtype, platform)
+  if stages == 1 or not config.data.packing or chosen != 'cudnn':
+    return spec
+  if spec.config.attention == 'cudnn':
+    raise ConfigError(f"model.attention='cudnn' with mesh.stage={stages} and data.packing=True: "
+                      f"JAX's cuDNN attention cannot take packed rows' segment mask inside a "
+                      f"pipeline (its batching over the stages does not compile); use 'auto' or "
+                      f"'flash', or data.packing=False")
+  return dataclasses.replace(spec, config=dataclasses.replace(spec.config, attention='flash'))
+
+
 def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSchedule | None:
   """The pipeline `mesh.stage` and `parallel.pipeline_*` ask for (None: one stage), checked
   against the model's depth and the batch (after `check_config`)."""
@@ -234,7 +251,7 @@ def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSch
                              train.batch_size // (data_parallel * train.microbatches))
   if refused:
     raise ConfigError(refused)
-  if policy(config).matmul.delayed_scaling:
+  if MatmulRecipe.from_config(config.quant).delayed_scaling:
     raise ConfigError('quant.fp8_scaling=delayed with mesh.stage > 1: a pipeline runs each layer '
                       'once per microbatch and on bubble inputs, which its amax history would '
                       'record; use quant.fp8_scaling=current')

@@ -107,6 +107,9 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                       tokenizer_vocab=tokenizer_vocab, context=mesh.shape['context'])
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
+  spec = checks.pipelined_attention(config, spec, stages=mesh.shape['stage'],
+                                    platform=mesh.devices.flat[0].platform)
+  model = spec.config
   checks.offload(config, stages=mesh.shape['stage'], device=mesh.devices.flat[0])
   offload = config.parallel.get('offload_optimizer', False)
   rules = layout_rules(config.parallel.zero_stage)
