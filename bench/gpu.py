@@ -31,7 +31,7 @@ import sys
 from absl import app, flags
 
 from bench.gpu_memory import card_environment, with_fraction
-from bench.gpu_report import device_slug, goals, markdown, planner_summary
+from bench.gpu_report import device_slug, goals, markdown, planner_summary, read_json
 
 _SMOKE = flags.DEFINE_bool('smoke', False, 'Tiny shapes and few steps, on any machine (CI runs it '
                            'on a CPU).')
@@ -69,14 +69,6 @@ def probe_device() -> dict:
   return json.loads(lines[-1])
 
 
-def _read_json(path: str) -> dict | None:
-  try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def run_claim(directory: str, smoke: bool, device: dict) -> dict:
   """Plans the claim's config for its card, then runs the planned config for a few steps with the
   allocator limited to the card's memory. Each part is kept in `directory` and not redone. The
@@ -101,7 +93,7 @@ def _claim(runner, directory: str, smoke: bool, device: dict) -> dict:
   out = {'smoke': smoke, 'config': claim['config'], 'batch_size': claim['batch_size'],
          'seq_len': claim['seq_len'], 'target': claim['target'], 'card_bytes': target.memory,
          'log': log}
-  if _read_json(os.path.join(plan_dir, 'plan.json')) is None:
+  if read_json(os.path.join(plan_dir, 'plan.json')) is None:
     if os.path.isdir(plan_dir):   # an interrupted plan: planning again refuses its leftovers
       import shutil
       shutil.rmtree(plan_dir)
@@ -112,7 +104,7 @@ def _claim(runner, directory: str, smoke: bool, device: dict) -> dict:
          f'--workdir={plan_dir}'], log)
     if code:
       return {**out, 'status': 'plan failed', 'error': error}
-  plan = _read_json(os.path.join(plan_dir, 'plan.json'))
+  plan = read_json(os.path.join(plan_dir, 'plan.json'))
   out['plan'] = plan
   bench_path = os.path.join(directory, 'bench.json')
   env, out['memory_fraction'] = runner.env, None
@@ -121,13 +113,13 @@ def _claim(runner, directory: str, smoke: bool, device: dict) -> dict:
       env, out['memory_fraction'] = card_environment(runner.env, device, target.memory)
     except ValueError as e:
       return {**out, 'status': 'not run', 'error': str(e)}
-  if _read_json(bench_path) is None:
+  if read_json(bench_path) is None:
     code, error = runner.run_logged(
         [sys.executable, '-m', 'bench.train_step', f'--config={plan["config"]}',
          f'--steps={claim["steps"]}', '--warmup=1', f'--out={bench_path}'], log, env)
     if code:
       return {**out, 'status': 'failed', 'error': error}
-  bench = _read_json(bench_path)
+  bench = read_json(bench_path)
   return {**out, 'status': 'done', 'bench': bench}
 
 

@@ -1,11 +1,21 @@
 """The GPU suite's report (bench/gpu.py runs the suite): the issue's goals judged against the
 cases, the cost model's calibration, and the markdown of `bench/results/gpu-<device>.md`. Pure
 functions of the results, so that they are tested on made-up figures without a GPU."""
+import json
 import re
 import statistics
 
 GB = 1e9
 GOAL_MFU, GOAL_FP8_SPEEDUP, GOAL_PEAK_ERROR = 0.50, 1.3, 0.10
+
+
+def read_json(path: str) -> dict | None:
+  """A results file, or None where it is missing or unreadable (a part that has not run)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
 
 
 def device_slug(device_kind: str) -> str:

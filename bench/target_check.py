@@ -25,6 +25,9 @@ import time
 
 from absl import app, flags
 
+from bench.gpu_report import device_slug, read_json
+from configs.gpu_targets import description_differences
+
 _ONLY = flags.DEFINE_string('only', None, 'Only the cases whose name matches this regex.')
 _SMOKE = flags.DEFINE_bool('smoke', False, 'Tiny shapes (the plumbing, on any machine).')
 _OUT_DIR = flags.DEFINE_string('out_dir', None, 'Where the results go; default bench/results.')
@@ -52,45 +55,6 @@ def arguments(case: dict) -> list[str]:
   """A case's overrides as command-line flags."""
   return [f'--config={case["config"]}'] + [f'--config.{k}={v}' for k, v in case.items()
                                            if k != 'config']
-
-
-def parse_text_proto(text: str) -> dict:
-  """A text proto's scalar fields by dotted path (`gpu_device_info.core_count` -> '132')."""
-  fields, path, name = {}, [], None
-  for token in re.findall(r'"[^"]*"|[{}]|[^\s{}:"]+:?', re.sub(r'(?m)^\s*#.*$', '', text)):
-    if token == '{':
-      path.append(name)
-      name = None
-    elif token == '}':
-      path.pop()
-    elif name is None:
-      name = token.rstrip(':')
-    else:
-      fields['.'.join(path + [name])] = token.strip('"')
-      name = None
-  return fields
-
-
-def description_differences(written: str, dumped: str) -> list[dict]:
-  """The fields of the written description where the device's own (XLA's dump of it) differs. A
-  field the dump leaves out holds the proto's default (0); newer XLA writes the cuDNN version as
-  `gpu_device_info.dnn_version` rather than `dnn_version_info`."""
-  ours, device = parse_text_proto(written), parse_text_proto(dumped)
-  dnn = device.get('gpu_device_info.dnn_version')
-  if dnn and not any(k.startswith('dnn_version_info.') for k in device):
-    device.update(zip(('dnn_version_info.major', 'dnn_version_info.minor',
-                       'dnn_version_info.patch'), dnn.split('.')))
-  out = []
-  for key, value in ours.items():
-    theirs = device.get(key, '0')
-    same = value == theirs
-    try:
-      same = same or float(value) == float(theirs)
-    except ValueError:
-      pass
-    if not same:
-      out.append({'field': key, 'written': value, 'device': theirs})
-  return out
 
 
 PROBE = '''
@@ -126,14 +90,6 @@ def probe(directory: str) -> dict:
   return device
 
 
-def _read(path: str) -> dict | None:
-  try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def deviceless(runner, name: str, case: dict, target: str, directory: str) -> dict:
   workdir = os.path.join(directory, 'deviceless', name)
   start = time.perf_counter()
@@ -141,7 +97,7 @@ def deviceless(runner, name: str, case: dict, target: str, directory: str) -> di
       [sys.executable, 'main.py', *arguments(case), '--dry_run', f'--target={target}',
        f'--workdir={workdir}'], os.path.join(directory, f'deviceless-{name}.log'),
       {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '3'})
-  memory = _read(os.path.join(workdir, 'memory.json')) or {}
+  memory = read_json(os.path.join(workdir, 'memory.json')) or {}
   return {'deviceless_bytes': memory.get('per_device_bytes', {}).get('total'),
           'deviceless_host_bytes': memory.get('host_bytes', {}).get('total'),
           'estimate_gpu_bytes': memory.get('estimate_gpu_bytes', {}).get('total'),
@@ -160,7 +116,7 @@ def attached(runner, name: str, case: dict, directory: str, smoke: bool) -> dict
       [sys.executable, '-m', 'bench.train_step', *arguments(case), '--steps=2', '--warmup=1',
        f'--matmul_size={256 if smoke else 1024}', f'--out={out}'],
       os.path.join(directory, f'bench-{name}.log'), env)
-  bench = _read(out) or {}
+  bench = read_json(out) or {}
   return {'peak_bytes': bench.get('peak_device_bytes'),
           'attached_bytes': bench.get('per_device_bytes', {}).get('total'),
           'attached_s': round(time.perf_counter() - start, 1), 'attached_error': error or None}
@@ -195,7 +151,6 @@ def main(argv):
   if len(argv) > 1:
     sys.exit(f'error: unexpected arguments {argv[1:]}')
   from configs.hardware import DEVICE_KINDS
-  from bench.gpu_report import device_slug
   from plan.target import description, parse_target
   from parallel.target import library_versions
   from sweep.runner import Runner

@@ -1,6 +1,7 @@
 """What XLA:GPU needs to know of a GPU to compile for it without one: the device description of
 each GPU in configs/hardware.py, written out as the GpuTargetConfig text proto that the CUDA
-plugin's compile-only topology takes (parallel/target.py). XLA's fusion, scheduling and buffer
+plugin's compile-only topology takes (parallel/target.py), and read back to compare with a real
+device's own (XLA's dump of it: `description_differences`). XLA's fusion, scheduling and buffer
 assignment read these figures (the SM count, clock and bandwidth feed its cost model; the memory
 size caps its scheduler), so a deviceless compile is the GPU's own program only where they are
 the device's.
@@ -29,6 +30,7 @@ L40S, 24,564 for an RTX 4090, 97,871 for a GH200 (its HBM part). On the H200 XLA
 less than `nvidia-smi`'s 143,771 MiB; the others keep `nvidia-smi`'s figure (not checked on one).
 """
 import dataclasses
+import re
 
 from configs.hardware import GPUS
 
@@ -105,3 +107,42 @@ DESCRIPTIONS = {   # configs/hardware.py's name -> the device
     'L40S-48GB': _ada('NVIDIA L40S', 'L40S-48GB', 46068, sms=142, l2_mib=96),
     'RTX4090-24GB': _ada('NVIDIA GeForce RTX 4090', 'RTX4090-24GB', 24564, sms=128, l2_mib=72),
 }
+
+
+def parse_text_proto(text: str) -> dict:
+  """A text proto's scalar fields by dotted path (`gpu_device_info.core_count` -> '132')."""
+  fields, path, name = {}, [], None
+  for token in re.findall(r'"[^"]*"|[{}]|[^\s{}:"]+:?', re.sub(r'(?m)^\s*#.*$', '', text)):
+    if token == '{':
+      path.append(name)
+      name = None
+    elif token == '}':
+      path.pop()
+    elif name is None:
+      name = token.rstrip(':')
+    else:
+      fields['.'.join(path + [name])] = token.strip('"')
+      name = None
+  return fields
+
+
+def description_differences(written: str, dumped: str) -> list[dict]:
+  """The fields of the written description where the device's own (XLA's dump of it) differs. A
+  field the dump leaves out holds the proto's default (0); newer XLA writes the cuDNN version as
+  `gpu_device_info.dnn_version` rather than `dnn_version_info`."""
+  ours, device = parse_text_proto(written), parse_text_proto(dumped)
+  dnn = device.get('gpu_device_info.dnn_version')
+  if dnn and not any(k.startswith('dnn_version_info.') for k in device):
+    device.update(zip(('dnn_version_info.major', 'dnn_version_info.minor',
+                       'dnn_version_info.patch'), dnn.split('.')))
+  out = []
+  for key, value in ours.items():
+    theirs = device.get(key, '0')
+    same = value == theirs
+    try:
+      same = same or float(value) == float(theirs)
+    except ValueError:
+      pass
+    if not same:
+      out.append({'field': key, 'written': value, 'device': theirs})
+  return out

@@ -9,8 +9,7 @@ import os
 
 import pytest
 
-from bench.target_check import description_differences, parse_text_proto
-from configs.gpu_targets import DESCRIPTIONS
+from configs.gpu_targets import DESCRIPTIONS, description_differences, parse_text_proto
 from configs.hardware import DEVICE_KINDS, GPUS
 from parallel import target as target_lib
 from plan.target import compile_devices, parse_target
