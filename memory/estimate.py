@@ -128,6 +128,7 @@ class StepShape:
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
+  packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
 
   @property
   def backward_in_loop(self) -> bool:
@@ -416,6 +417,8 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   remat the recomputed forward values) plus the gradients being formed, at whichever point of the
   layer's backward holds more: the MLP's (the SwiGLU rows, and three fp32 gradients of mlp_dim
   where they were recomputed) or the attention's (the gradient of the probabilities)."""
+  if on_gpu(shape) and cfg.remat == 'full' and fused_attention(cfg, policy, shape.backend):
+    return gpu_recomputed_layer(cfg, policy, shape)
   if cfg.remat == 'none' or not upcasts(policy, shape.backend):
     layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none',
                                       shape.backend)
@@ -459,6 +462,36 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   return {'activations': shape.tokens * (common + max(mlp_point, attention_point))
                          + context_kv_bytes(cfg, policy, shape),
           'weights': weights * weight_bytes * (1 + padding)}
+
+
+def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+  """A recomputed layer's backward on XLA:GPU (remat full, a fused attention): every value in the
+  compute dtype, the norms' fp32 rows and the activations' gradients fused away. At the MLP's
+  backward: three mlp_dim rows (the gate and up products and a gradient), seven d_model rows (the
+  layer input, the normed inputs, the attention output, the residual gradients), query, key and
+  value, and two d_model boolean rows (the norms' masks); one layer's weights in the compute dtype
+  (gathered, dequantized or cast) and, where they train, their gradient (7b QLoRA on one H100,
+  `model.loss_chunk` small so that the layer is the peak, bench.buffers --target: 2.70 GiB beside
+  the saved stack, 16,384 tokens)."""
+  c = policy.compute_bytes
+  q = cfg.num_heads * cfg.head_dim / shape.tensor
+  kv = cfg.num_kv_heads * cfg.head_dim / shape.tensor
+  mlp_point = c * (3 * cfg.mlp_dim / shape.tensor + 7 * cfg.d_model + q + 2 * kv) + 2 * cfg.d_model
+  # At long sequences the attention's backward holds more (its fp32 accumulators: see
+  # `_attention_backward`) beside the layer's d_model rows and query, key and value.
+  attention_point = c * (5 * cfg.d_model + q + 2 * kv) + _attention_backward(cfg, policy, shape)
+  per_token = max(mlp_point, attention_point)
+  if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
+    per_token += 2 * cfg.d_model * FP32
+  weights = (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor
+  mask = 0
+  if shape.packed and resolve_attention(cfg.attention, policy.compute_dtype, 'gpu') == 'cudnn':
+    # cuDNN takes packed rows' segment mask as an additive [length, length] bias per row, beside
+    # the boolean mask it is made from (7b at 32k on 8 H100s, bench.buffers --target: a
+    # bf16[1, 1, 32768, 32768] bias and its select at the attention's backward, 4 GiB).
+    mask = 2 * shape.rows_per_device * shape.local_len ** 2 * c
+  return {'activations': shape.tokens * per_token + mask + context_kv_bytes(cfg, policy, shape),
+          'weights': weights * (c * gathered(cfg, shape) + policy.param_bytes)}
 
 
 def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:

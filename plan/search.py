@@ -138,7 +138,8 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,
-                    backend=backend, offload_optimizer=recipe.offload)
+                    backend=backend, offload_optimizer=recipe.offload,
+                    packed=bool(config.data.packing))
   cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)

@@ -276,6 +276,7 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    backend=backend or s.platform,
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
+                   packed=bool(s.config.data.packing),
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                        repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
