@@ -1,23 +1,30 @@
-"""Planned on 2026-11-25 by
-  python main.py --config=configs/fsdp.py:405b --plan --target=512xH100-80GB --workdir=/tmp/w/plan-405b
+"""Planned on 2026-11-26 by
+  python main.py --config=configs/fsdp.py:405b --plan --target=512xH100-80GB --workdir=/tmp/plans/405b-512xH100-80GB
 
-bf16_master, Adam 32-bit, ZeRO-3, tensor 8, remat full, 8 microbatch(es)
-on 512xH100-80GB: compiled 71.9 GB per device (estimate 72.0 GB; usable 72.0 GB), estimated 51.11 s per step, 41,036 tokens/s.
+bf16_master, Adam 32-bit, ZeRO-3, tensor 2, remat full, 1 microbatch(es)
+on 512xH100-80GB: compiled 61.8 GB per device (estimate 61.4 GB; usable 72.0 GB), estimated 31.43 s per step, 66,724 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/w/plan-405b/planned_config.py
-Size it here:          python main.py --config=/tmp/w/plan-405b/planned_config.py --dry_run --host_devices=512
+Run it on the target:  python main.py --config=/tmp/plans/405b-512xH100-80GB/planned_config.py
+Size it here:          python main.py --config=/tmp/plans/405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
 """
 import ml_collections
 
 CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
- 'data': {'packing': True, 'path': '', 'tokenizer': 'bytes', 'val_fraction': 0.05},
+ 'data': {'document_delimiter': '',
+          'on_bad_record': 'fail',
+          'packing': True,
+          'path': '',
+          'text_field': 'text',
+          'tokenizer': 'bytes',
+          'val_fraction': 0.05},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'data': 1, 'fsdp': 64, 'stage': 1, 'tensor': 8},
+ 'mesh': {'context': 1, 'data': 1, 'fsdp': 256, 'stage': 1, 'tensor': 2},
  'model': {'attention': 'auto',
            'bias': False,
+           'context_attention': 'gather',
            'd_model': 16384,
            'head_dim': 128,
            'init_std': 0.02,
@@ -42,7 +49,9 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'tie_embeddings': False,
            'vocab_size': 128256},
  'name': 'planned:fsdp:405b@512xH100-80GB',
- 'parallel': {'pipeline_microbatches': 1,
+ 'parallel': {'offload_frozen': False,
+              'offload_optimizer': False,
+              'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
               'zero_stage': 3},
@@ -70,7 +79,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 8e-05,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 8,
+           'microbatches': 1,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 4096,

@@ -1,23 +1,30 @@
-"""Planned on 2026-11-25 by
-  python main.py --config=configs/fsdp.py:70b --plan --target=64xH100-80GB --workdir=/tmp/w/plan-70b
+"""Planned on 2026-11-26 by
+  python main.py --config=configs/fsdp.py:70b --plan --target=64xH100-80GB --workdir=/tmp/plans/70b-64xH100-80GB
 
-bf16_master, Adam 8-bit, ZeRO-3, tensor 1, remat full, 2 microbatch(es)
-on 64xH100-80GB: compiled 53.8 GB per device (estimate 49.0 GB; usable 72.0 GB), estimated 21.82 s per step, 48,048 tokens/s.
+bf16_master, Adam 32-bit, ZeRO-2, tensor 8, remat dots, 32 microbatch(es)
+on 64xH100-80GB: compiled 54.2 GB per device (estimate 68.5 GB; usable 72.0 GB), estimated 19.86 s per step, 52,789 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/w/plan-70b/planned_config.py
-Size it here:          python main.py --config=/tmp/w/plan-70b/planned_config.py --dry_run --host_devices=64
+Run it on the target:  python main.py --config=/tmp/plans/70b-64xH100-80GB/planned_config.py
+Size it here:          python main.py --config=/tmp/plans/70b-64xH100-80GB/planned_config.py --dry_run --target=64xH100-80GB
 """
 import ml_collections
 
 CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
- 'data': {'packing': True, 'path': '', 'tokenizer': 'bytes', 'val_fraction': 0.05},
+ 'data': {'document_delimiter': '',
+          'on_bad_record': 'fail',
+          'packing': True,
+          'path': '',
+          'text_field': 'text',
+          'tokenizer': 'bytes',
+          'val_fraction': 0.05},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'data': 1, 'fsdp': 64, 'stage': 1, 'tensor': 1},
+ 'mesh': {'context': 1, 'data': 1, 'fsdp': 8, 'stage': 1, 'tensor': 8},
  'model': {'attention': 'auto',
            'bias': False,
+           'context_attention': 'gather',
            'd_model': 8192,
            'head_dim': 128,
            'init_std': 0.02,
@@ -31,7 +38,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'num_kv_heads': 8,
            'num_layers': 80,
            'positions': 'rope',
-           'remat': 'full',
+           'remat': 'dots',
            'rope_factor': 1.0,
            'rope_high_freq_factor': 4.0,
            'rope_low_freq_factor': 1.0,
@@ -42,12 +49,14 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'tie_embeddings': False,
            'vocab_size': 32000},
  'name': 'planned:fsdp:70b@64xH100-80GB',
- 'parallel': {'pipeline_microbatches': 1,
+ 'parallel': {'offload_frozen': False,
+              'offload_optimizer': False,
+              'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
-              'zero_stage': 3},
+              'zero_stage': 2},
  'precision': 'bf16_master',
- 'quant': {'adam_bits': 8,
+ 'quant': {'adam_bits': 32,
            'adam_block_size': 2048,
            'amax_history': 16,
            'block_size': 0,
@@ -70,7 +79,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 0.00015,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 2,
+           'microbatches': 32,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 4096,

@@ -1,21 +1,27 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:7b --plan --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --workdir=bench/results/plans/7b-128k-8xH100-80GB
+  python main.py --config=configs/fsdp.py:7b --plan --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --workdir=/tmp/plans/7b-128k-8xH100-80GB
 
-bf16_mixed, Adam 8-bit, ZeRO-2, tensor 1, context 4 (ring), remat full, 4 microbatch(es)
-on 8xH100-80GB: compiled 68.7 GB per device (estimate 70.1 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
+bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat full, 2 microbatch(es)
+on 8xH100-80GB: compiled 71.4 GB per device (estimate 68.2 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
 
-Run it on the target:  python main.py --config=bench/results/plans/7b-128k-8xH100-80GB/planned_config.py
-Size it here:          python main.py --config=bench/results/plans/7b-128k-8xH100-80GB/planned_config.py --dry_run --host_devices=8
+Run it on the target:  python main.py --config=/tmp/plans/7b-128k-8xH100-80GB/planned_config.py
+Size it here:          python main.py --config=/tmp/plans/7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
 """
 import ml_collections
 
 CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
- 'data': {'packing': True, 'path': '', 'tokenizer': 'bytes', 'val_fraction': 0.05},
+ 'data': {'document_delimiter': '',
+          'on_bad_record': 'fail',
+          'packing': True,
+          'path': '',
+          'text_field': 'text',
+          'tokenizer': 'bytes',
+          'val_fraction': 0.05},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'context': 4, 'data': 1, 'fsdp': 2, 'stage': 1, 'tensor': 1},
+ 'mesh': {'context': 2, 'data': 1, 'fsdp': 4, 'stage': 1, 'tensor': 1},
  'model': {'attention': 'auto',
            'bias': False,
            'context_attention': 'ring',
@@ -48,7 +54,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
-              'zero_stage': 2},
+              'zero_stage': 3},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 8,
            'adam_block_size': 2048,
@@ -73,7 +79,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 0.0003,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 4,
+           'microbatches': 2,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 131072,

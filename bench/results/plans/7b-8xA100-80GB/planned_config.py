@@ -1,23 +1,30 @@
-"""Planned on 2026-11-25 by
-  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=/tmp/w/plan-7b
+"""Planned on 2026-11-26 by
+  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=/tmp/plans/7b-8xA100-80GB
 
-bf16_mixed, Adam 32-bit, ZeRO-3, tensor 2, remat none, 8 microbatch(es)
-on 8xA100-80GB: compiled 58.3 GB per device (estimate 70.1 GB; usable 72.0 GB), estimated 5.50 s per step, 23,814 tokens/s.
+bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat none, 8 microbatch(es)
+on 8xA100-80GB: compiled 55.5 GB per device (estimate 48.4 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/w/plan-7b/planned_config.py
-Size it here:          python main.py --config=/tmp/w/plan-7b/planned_config.py --dry_run --host_devices=8
+Run it on the target:  python main.py --config=/tmp/plans/7b-8xA100-80GB/planned_config.py
+Size it here:          python main.py --config=/tmp/plans/7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
 """
 import ml_collections
 
 CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
- 'data': {'packing': True, 'path': '', 'tokenizer': 'bytes', 'val_fraction': 0.05},
+ 'data': {'document_delimiter': '',
+          'on_bad_record': 'fail',
+          'packing': True,
+          'path': '',
+          'text_field': 'text',
+          'tokenizer': 'bytes',
+          'val_fraction': 0.05},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'data': 1, 'fsdp': 4, 'stage': 1, 'tensor': 2},
+ 'mesh': {'context': 2, 'data': 1, 'fsdp': 4, 'stage': 1, 'tensor': 1},
  'model': {'attention': 'auto',
            'bias': False,
+           'context_attention': 'ring',
            'd_model': 4096,
            'head_dim': 128,
            'init_std': 0.02,
@@ -42,12 +49,14 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'tie_embeddings': False,
            'vocab_size': 32000},
  'name': 'planned:fsdp:7b@8xA100-80GB',
- 'parallel': {'pipeline_microbatches': 1,
+ 'parallel': {'offload_frozen': False,
+              'offload_optimizer': False,
+              'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
               'zero_stage': 3},
  'precision': 'bf16_mixed',
- 'quant': {'adam_bits': 32,
+ 'quant': {'adam_bits': 8,
            'adam_block_size': 2048,
            'amax_history': 16,
            'block_size': 0,

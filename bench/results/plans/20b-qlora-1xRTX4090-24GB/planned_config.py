@@ -1,0 +1,93 @@
+"""Planned on 2026-11-26 by
+  python main.py --config=configs/qlora.py:20b --config.train.batch_size=4 --config.train.seq_len=1024 --plan --target=1xRTX4090-24GB --workdir=/tmp/plans/20b-qlora-1xRTX4090-24GB
+
+bf16_mixed, Adam 32-bit, ZeRO-0, tensor 1, remat full, 1 microbatch(es)
+on 1xRTX4090-24GB: compiled 15.2 GB per device (estimate 18.4 GB; usable 21.6 GB), estimated 7.64 s per step, 536 tokens/s.
+
+Run it on the target:  python main.py --config=/tmp/plans/20b-qlora-1xRTX4090-24GB/planned_config.py
+Size it here:          python main.py --config=/tmp/plans/20b-qlora-1xRTX4090-24GB/planned_config.py --dry_run --target=1xRTX4090-24GB
+"""
+import ml_collections
+
+CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
+ 'data': {'document_delimiter': '',
+          'on_bad_record': 'fail',
+          'packing': True,
+          'path': '',
+          'text_field': 'text',
+          'tokenizer': 'bytes',
+          'val_fraction': 0.05},
+ 'description': 'QLoRA: NF4 frozen base (ZeRO-3 sharded), rank-8 adapters, bf16 compute',
+ 'host_devices': 0,
+ 'init_from': '',
+ 'lora': {'alpha': 16.0, 'dropout': 0.05, 'rank': 8, 'targets': '.*attention/(query|value)'},
+ 'mesh': {'context': 1, 'data': 1, 'fsdp': 1, 'stage': 1, 'tensor': 1},
+ 'model': {'attention': 'auto',
+           'bias': False,
+           'context_attention': 'gather',
+           'd_model': 6144,
+           'head_dim': 128,
+           'init_std': 0.02,
+           'loss_chunk': 0,
+           'max_seq_len': 4096,
+           'mlp': 'swiglu',
+           'mlp_dim': 16384,
+           'norm': 'rms',
+           'norm_eps': 1e-05,
+           'num_heads': 48,
+           'num_kv_heads': 8,
+           'num_layers': 52,
+           'positions': 'rope',
+           'remat': 'full',
+           'rope_factor': 1.0,
+           'rope_high_freq_factor': 4.0,
+           'rope_low_freq_factor': 1.0,
+           'rope_original_max_len': 8192,
+           'rope_scaling': 'none',
+           'rope_theta': 10000.0,
+           'scan_unroll': 1,
+           'tie_embeddings': False,
+           'vocab_size': 32000},
+ 'name': 'planned:qlora:20b@1xRTX4090-24GB',
+ 'parallel': {'offload_frozen': False,
+              'offload_optimizer': False,
+              'pipeline_microbatches': 1,
+              'pipeline_repeats': 1,
+              'pipeline_schedule': 'gpipe',
+              'zero_stage': 0},
+ 'precision': 'bf16_mixed',
+ 'quant': {'adam_bits': 32,
+           'adam_block_size': 2048,
+           'amax_history': 16,
+           'block_size': 0,
+           'fp8_scaling': 'current',
+           'int8_backward': False,
+           'learned_scale': False,
+           'mode': 'none',
+           'threshold': 6.0,
+           'weights': 'nf4'},
+ 'sample': {'length': 200, 'prompt': 'def ', 'temperature': 0.8},
+ 'train': {'b1': 0.9,
+           'b2': 0.95,
+           'batch_size': 4,
+           'checkpoint_every': 1000,
+           'checkpoint_minutes': 0.0,
+           'eval_every': 1000,
+           'eval_tokens': 1048576,
+           'grad_clip': 1.0,
+           'keep_checkpoints': 3,
+           'learning_rate': 0.0002,
+           'log_every': 10,
+           'max_bad_steps': 5,
+           'microbatches': 1,
+           'min_lr_ratio': 0.1,
+           'seed': 0,
+           'seq_len': 1024,
+           'steps': 2000,
+           'warmup_steps': 100,
+           'weight_decay': 0.1}}
+
+
+def get_config(preset=None):
+  del preset   # the plan fixed the model
+  return ml_collections.ConfigDict(CONFIG)
