@@ -19,7 +19,8 @@ and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unles
 - LoRA and QLoRA at 7b and 20b (8 devices, and QLoRA 20b on one);
 - long context: 7b at 16k and 32k tokens (ZeRO-3, 8 devices);
 - the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8;
-- the recipes the planner chose for 7b on 8 GPUs and 70b on 64 (bench/results/plans/).
+- the recipes the planner chose for 7b on 8 GPUs and 70b on 64 when it verified with XLA:CPU
+  (issue 30; its XLA:GPU plans since are in bench/results/plans/).
 A point's `model` names its case (`7b-32k`, `1b-fp32`), so no two cases share a line.
 """
 from sweep.grid import Point, axis, choices, product, zipped
@@ -97,7 +98,7 @@ def get_sweep(arg: str | None = None):
       *case('7b-32k', {'zero3': LAYOUTS['zero3']}, config='configs/default.py:7b',
             **{'train.seq_len': 32768, 'model.max_seq_len': 32768}),
   ]
-  # The recipes the planner chose (bench/results/plans/), where they are not in the grid above.
+  # The recipes the planner chose verifying with XLA:CPU (issue 30), where not in the grid above.
   planned = [
       *case('7b-noremat-8mb', {'zero3_tp2': {**LAYOUTS['zero3'], 'mesh.tensor': 2}},
             config='configs/default.py:7b', **{'model.remat': 'none', 'train.batch_size': 32,
