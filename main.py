@@ -19,7 +19,8 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default: a fresh
                                'Re-using one resumes from its latest checkpoint.')
 _HOST_DEVICES = flags.DEFINE_integer('host_devices', None, 'With no accelerator, simulate N CPU devices.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, report its memory, run nothing.')
-_PLAN = flags.DEFINE_bool('plan', False, 'Find the fastest recipe that fits --target (compiles on '
+_PLAN = flags.DEFINE_bool('plan', False, 'Find the fastest recipe that fits --target (verified by '
+                          'compiling for it: XLA:GPU where the CUDA plugin is installed, else '
                           'simulated CPU devices), and write it as a config file.')
 _TARGET = flags.DEFINE_string('target', None, 'With --plan or --dry_run: <N>x<GPU>, e.g. 8xA100-80GB, '
                               '64xH100-80GB, 1xRTX4090-24GB, or <N>x<M>GB; --dry_run compiles for it '
@@ -153,28 +154,47 @@ def _default_workdir(config_name: str) -> str:
   return os.path.join('runs', f'{config_name.replace(":", "-")}-{stamp}')
 
 
+def _target():
+  """`--target` parsed, or None; each flag that does not go with the others refused in one line."""
+  if _TARGET_CONFIG.value is not None and not (_DRY_RUN.value and _TARGET.value):
+    sys.exit(f'error: --target_config={_TARGET_CONFIG.value!r} goes with --dry_run --target=<N>x<GPU>')
+  if _TARGET_CONFIG.value is not None and not os.path.isfile(_TARGET_CONFIG.value):
+    sys.exit(f'error: --target_config={_TARGET_CONFIG.value!r}: no such file')
+  if not (_PLAN.value or _TARGET.value):
+    return None
+  if not _TARGET.value or not (_PLAN.value or _DRY_RUN.value) or (_PLAN.value and _DRY_RUN.value):
+    sys.exit('error: --target=<N>x<GPU> goes with --plan (the fastest recipe for it) or with '
+             '--dry_run (this config compiled for it), one of them: e.g. --plan '
+             '--target=8xA100-80GB')
+  if _DRY_RUN.value and _HOST_DEVICES.value is not None:
+    sys.exit(f'error: --host_devices={_HOST_DEVICES.value} with --target={_TARGET.value}: the '
+             f'target says the devices; drop one')
+  from plan.target import TargetError, parse_target
+  try:
+    return parse_target(_TARGET.value)
+  except TargetError as e:
+    sys.exit(f'error: {e}')
+
+
+def _target_devices(target) -> list:
+  """The target's compile-only GPUs, described by `--target_config` or configs/gpu_targets.py."""
+  from parallel.target import TargetCompileError
+  from plan.target import compile_devices
+  described = None
+  if _TARGET_CONFIG.value:
+    with open(_TARGET_CONFIG.value, encoding='utf-8') as f:
+      described = f.read()
+  try:
+    return compile_devices(target, described)
+  except TargetCompileError as e:
+    sys.exit(f'error: {e}')
+
+
 def main(argv):
   if len(argv) > 1:
     sys.exit(f'error: unexpected arguments {argv[1:]}; config values are set as --config.key=value')
   logging.set_verbosity(logging.WARNING)  # orbax narrates every save at INFO
-  target = None
-  if _PLAN.value or _TARGET.value:
-    from plan.target import TargetError, parse_target
-    if not _TARGET.value or not (_PLAN.value or _DRY_RUN.value) or (_PLAN.value and _DRY_RUN.value):
-      sys.exit('error: --target=<N>x<GPU> goes with --plan (the fastest recipe for it) or with '
-               '--dry_run (this config compiled for it), one of them: e.g. --plan '
-               '--target=8xA100-80GB')
-    try:
-      target = parse_target(_TARGET.value)
-    except TargetError as e:
-      sys.exit(f'error: {e}')
-    if _TARGET_CONFIG.value is not None and not (_DRY_RUN.value and
-                                                 os.path.isfile(_TARGET_CONFIG.value)):
-      sys.exit(f'error: --target_config={_TARGET_CONFIG.value!r}: ' + (
-          'no such file' if _DRY_RUN.value else 'it goes with --dry_run --target'))
-    if _DRY_RUN.value and _HOST_DEVICES.value is not None:
-      sys.exit(f'error: --host_devices={_HOST_DEVICES.value} with --target={_TARGET.value}: the '
-               f'target says the devices; drop one')
+  target = _target()
   compiled_target = target if _DRY_RUN.value else None
   added_flags = _init_jax(_CONFIG.value, plan_devices=target.count if _PLAN.value else None,
                           gpu_target=compiled_target is not None)
@@ -196,18 +216,7 @@ def main(argv):
   kind = 'plan' if _PLAN.value else 'dry-run'
   workdir = _WORKDIR.value or _default_workdir(
       config.name if target is None else f'{kind}-{config.name}-{target}')
-  devices = None
-  if compiled_target is not None:
-    from parallel.target import TargetCompileError
-    from plan.target import compile_devices
-    try:
-      described = None
-      if _TARGET_CONFIG.value:
-        with open(_TARGET_CONFIG.value, encoding='utf-8') as f:
-          described = f.read()
-      devices = compile_devices(compiled_target, described)
-    except TargetCompileError as e:
-      sys.exit(f'error: {e}')
+  devices = None if compiled_target is None else _target_devices(compiled_target)
   try:
     if _PLAN.value:
       from plan.report import run_plan

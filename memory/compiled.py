@@ -10,6 +10,11 @@ _BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f
 _ARRAY = re.compile(r'(\w+)\[([\d,]*)\](?:\{([^}]*)\})?')
 
 
+def compiler_of(platform: str) -> str:
+  """The compiler a platform's programs are compiled by: `XLA:GPU`, `XLA:CPU`."""
+  return f'XLA:{"GPU" if platform == "gpu" else platform.upper()}'
+
+
 def format_bytes(n: float) -> str:
   """Always GiB, with enough decimals that small figures still read."""
   return f'{n / GiB:,.2f} GiB' if n >= GiB else f'{n / GiB:.4f} GiB'

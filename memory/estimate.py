@@ -67,8 +67,8 @@ The vocabulary (`vocab_bytes`): the head multiplies by an fp32 table that is not
 XLA places at the end of the backward pass. With microbatches, loop-invariant copies (gathered
 tables, casts) are hoisted out of the microbatch loop and stay for the whole step.
 
-XLA:CPU (`backend='cpu'`, the only backend this model has been checked against; the dry run and the
-simulated devices compile for it) in jax 0.10 has no bf16 matmul (it has fp16 ones): it converts
+XLA:CPU (`backend='cpu'`: the dry run and the simulated devices compile for it) in jax 0.10 has no
+bf16 matmul (it has fp16 ones): it converts
 the operands of every bf16 dot to fp32 (`upcasts`; jax 0.11's XLA:CPU multiplies in bf16, and
 `cpu_upcasts_bf16` asks the installed compiler which it is). Because the converts of loop-invariant operands are hoisted
 out of the layer scan, at the backward peak every saved activation is held in fp32, the stacked
@@ -76,8 +76,12 @@ layer weights get an fp32 copy (of the saved compute-dtype cast without remat, o
 themselves when they are stored in bf16 and not gathered layer by layer), the attention backward
 holds an fp32 copy of the probabilities, and recomputed bf16 values partly exist twice (taken as
 the mean of the bf16 and fp32 sizes: the measured working set of bf16 layers is 0.8x the fp32
-one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them, and is
-not checked against a compile.
+one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them and with
+XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers --target`; issue
+46): the update fused in place, ZeRO-1/2's new weights gathered whole, the head's table in the
+compute dtype, the embedding's gradient formed after the head's peak, the head's weight-gradient
+point under ZeRO-3, the saved stacks twice under microbatches, a recomputed layer in the compute
+dtype and cuDNN's segment-mask bias (`sweeps/estimate.py:gpu`: 56 of its 86 points within 5 %).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed

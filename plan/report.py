@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+from memory.compiled import compiler_of
 from plan.search import MARGIN, apply, assumptions, plan
 from plan.target import Target
 
@@ -81,7 +82,7 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   print(f'            {assumptions(target)}')
   backend = verifier()
   import jax
-  print(f'            verified by compiling with XLA:{backend.upper()} {jax.__version__} '
+  print(f'            verified by compiling with {compiler_of(backend)} {jax.__version__} '
         + ('for the target\'s GPUs (compile-only devices)' if backend == 'gpu' else
            f'on {target.count} simulated CPU devices (XLA:GPU needs the CUDA plugin: pip install -r '
            f'requirements-gpu-compile.txt); the estimate ranks as that compiler holds the step'))
@@ -119,7 +120,7 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   with open(os.path.join(workdir, 'plan.json'), 'w', encoding='utf-8') as f:
     json.dump({'target': str(target), 'recipe': str(chosen.recipe), 'config': path,
                'compiled_bytes': chosen.compiled, 'estimate_bytes': chosen.device_bytes,
-               'compiler': f'XLA:{backend.upper()} {jax.__version__}',
+               'compiler': f'{compiler_of(backend)} {jax.__version__}',
                'host_bytes_per_node': chosen.host.get('total', 0) * min(target.count,
                                                                          target.per_node),
                'step_seconds': chosen.seconds['total'], 'seconds': chosen.seconds,

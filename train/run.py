@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 import data as data_lib
 from data import prepare as data_prepare, source as data_source
 from data.mixture import MixtureBatches
-from memory.compiled import compiled_memory_spaces, peak_device_memory
+from memory.compiled import compiled_memory_spaces, compiler_of, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate, offloaded
 from models.attention import compiling_for
 from models.config import COMPUTE_FIELDS, ModelConfig
@@ -239,12 +239,12 @@ def memory_report(s: Setup, compiled) -> dict:
       'device_kind': s.mesh.devices.flat[0].device_kind,
       # Which compiler's figures per_device_bytes are (XLA:CPU keeps fp32 copies of bf16 matmul
       # operands that XLA:GPU does not: the two differ by tens of percent).
-      'compiler': compiler_name(s.platform),
+      'compiler': f'{compiler_of(s.platform)} {jax.__version__}',
       'zero_stage': s.config.parallel.zero_stage,
       'per_device_bytes': device_bytes,
       'estimate_bytes': estimate_device,
-      # What the same step needs on a GPU by the same model (no XLA:CPU fp32 copies): the figure
-      # to plan with when the compile ran on the CPU. Not checked against a GPU compile here.
+      # What the same step needs on a GPU by the analytic model of XLA:GPU (memory/estimate.py);
+      # the GPU's compiled figure itself is `--dry_run --target`'s.
       'estimate_gpu_bytes': estimated_bytes(s, backend='gpu')[0],
       'collectives_per_step': collectives,
   }
@@ -256,11 +256,6 @@ def memory_report(s: Setup, compiled) -> dict:
   if estimate_host['total']:
     report['estimate_host_bytes'] = {**estimate_host, 'per_host': estimate_host['total'] * local}
   return report
-
-
-def compiler_name(platform: str) -> str:
-  """`XLA:GPU 0.10.2` and the like: the compiler of a platform, with the jax release it came in."""
-  return f'XLA:{"GPU" if platform == "gpu" else platform.upper()} {jax.__version__}'
 
 
 def step_shape(s: Setup, backend: str | None = None) -> StepShape:

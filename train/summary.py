@@ -3,7 +3,7 @@
 step."""
 import jax
 
-from memory.compiled import format_bytes
+from memory.compiled import compiler_of, format_bytes
 from quant.recipe import describe as describe_recipe
 from train import compile_cache
 
@@ -42,7 +42,7 @@ def print_summary(s, memory: dict) -> None:
   print(f'memory      per device, compiled by {memory["compiler"]}: {b(compiled["total"])} = arguments '
         f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
         f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
-  print(f'            per device, estimate (analytic, of XLA:{_backend(s)}): {b(estimated["total"])} = '
+  print(f'            per device, estimate (analytic, of {compiler_of(s.platform)}): {b(estimated["total"])} = '
         f'params {b(estimated["params"])}'
         f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
         f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
@@ -63,9 +63,8 @@ def print_summary(s, memory: dict) -> None:
           f'itself {b(init["state"])})'
           + ('; above the step\'s' if init['peak'] > compiled['total'] else ''))
   if s.platform == 'cpu':
-    print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (without '
-          f'XLA:CPU\'s fp32 copies of bf16 matmul operands); XLA:GPU\'s own figure: --dry_run '
-          f'--target=<N>x<GPU>')
+    print(f'            on a GPU, estimate: {b(memory["estimate_gpu_bytes"]["total"])} (the analytic '
+          f'model of XLA:GPU); XLA:GPU\'s own figure: --dry_run --target=<N>x<GPU>')
   if 'target' in memory:
     print(f'note        the figures are XLA:GPU\'s of jax {jax.__version__}: XLA\'s fusion and '
           f'scheduling change between releases, so compile with the jax the GPUs will run')
@@ -78,10 +77,6 @@ def print_summary(s, memory: dict) -> None:
   if s.mesh.shape['context'] > 1:
     print(f'note        mesh.context={s.mesh.shape["context"]}: attention is the context-parallel '
           f'blockwise kernel (models/context.py) whatever model.attention says')
-
-
-def _backend(s) -> str:
-  return 'GPU' if s.platform == 'gpu' else s.platform.upper()
 
 
 def _devices(s, memory: dict) -> str:
