@@ -64,7 +64,8 @@ def test_long_sequences_are_split_over_context_shards():
   gather = next(c for c in fitting if c.recipe.context_attention == 'gather')
   ring = evaluate(config, dataclasses.replace(gather.recipe, context_attention='ring'), target)
   assert ring.seconds['total'] < gather.seconds['total']
-  assert ring.estimate['total'] < gather.estimate['total']
+  # and holds no more (less where a layer's backward is the step's peak: on a GPU here the head's is)
+  assert ring.estimate['total'] <= gather.estimate['total']
 
 
 def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
