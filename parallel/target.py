@@ -14,9 +14,6 @@ REQUIREMENTS = 'requirements-gpu-compile.txt'
 # Nothing to autotune without a device: XLA's sharded autotuning would wait for peers that are
 # not there.
 DEVICELESS_FLAGS = (('xla_gpu_shard_autotuning', 'false'),)
-# cuDNN and the CUDA runtime a target is assumed to run, where no CUDA package is installed to
-# say which the run will load (XLA chooses kernels, the cuDNN attention's among them, by them).
-DEFAULT_CUDNN = (9, 8, 0)
 
 
 class TargetCompileError(RuntimeError):
@@ -24,8 +21,8 @@ class TargetCompileError(RuntimeError):
 
 
 def plugin() -> str | None:
-  """The installed CUDA plugin's module (None: none is)."""
-  return next((m for m in xla_flags.CUDA_PLUGINS if xla_flags._installed(m)), None)
+  """The installed CUDA plugin's module (None: none is): what compiles for a target."""
+  return xla_flags.cuda_plugin()
 
 
 def prepare(environ=os.environ) -> list[str]:
@@ -58,10 +55,12 @@ def _version(packages: tuple[str, ...], parts: int) -> tuple | None:
 
 def library_versions() -> dict:
   """The cuDNN and CUDA runtime versions a run of this installation loads (the pip packages the
-  CUDA plugin brought), or the defaults above."""
-  return {'cudnn': _version(('nvidia-cudnn-cu13', 'nvidia-cudnn-cu12'), 3) or DEFAULT_CUDNN,
-          'cuda_runtime': _version(('nvidia-cuda-runtime', 'nvidia-cuda-runtime-cu13',
-                                    'nvidia-cuda-runtime-cu12'), 2)}
+  CUDA plugin brought; XLA chooses kernels, the cuDNN attention's among them, by them): those
+  found, as `cudnn` (major, minor, patch) and `cuda_runtime` (major, minor)."""
+  found = {'cudnn': _version(('nvidia-cudnn-cu13', 'nvidia-cudnn-cu12'), 3),
+           'cuda_runtime': _version(('nvidia-cuda-runtime', 'nvidia-cuda-runtime-cu13',
+                                     'nvidia-cuda-runtime-cu12'), 2)}
+  return {k: v for k, v in found.items() if v is not None}
 
 
 def topology(count: int, per_node: int) -> str:

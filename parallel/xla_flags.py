@@ -61,15 +61,20 @@ def cuda_expected(platforms: str | None, environ=os.environ) -> bool:
     return False
   if environ.get('CUDA_VISIBLE_DEVICES', None) in ('', '-1'):
     return False
-  if not any(_installed(m) for m in CUDA_PLUGINS):
+  if cuda_plugin() is None:
     return False
   return bool(glob.glob('/dev/nvidia[0-9]*')) or os.path.exists('/dev/dxg')   # /dev/dxg: WSL 2
+
+
+def cuda_plugin() -> str | None:
+  """The installed CUDA plugin's module (None: none is)."""
+  return next((m for m in CUDA_PLUGINS if _installed(m)), None)
 
 
 def cuda_plugin_without_gpu(environ=os.environ) -> bool:
   """A CUDA plugin is installed where JAX will not find a CUDA GPU (a CPU machine that compiles
   for GPU targets)."""
-  return any(_installed(m) for m in CUDA_PLUGINS) and not cuda_expected(None, environ)
+  return cuda_plugin() is not None and not cuda_expected(None, environ)
 
 
 def apply(platforms: str | None, environ=os.environ) -> list[str]:
