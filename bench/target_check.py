@@ -5,7 +5,8 @@ the device's own description (XLA's dump of it) beside the written one.
 
   python -m bench.target_check                       # every case, within --budget_s
   python -m bench.target_check --only='^1b_bf16'     # some cases (a regex over their names)
-  python -m bench.target_check --smoke               # tiny shapes, any machine (a CPU: no device part)
+  python -m bench.target_check --smoke               # tiny shapes, any machine (on a CPU the
+                                                     # "device" runs are the CPU's: the plumbing)
 
 Writes `target-check-<device>.json` and `.md` to --out_dir (default bench/results), and the device's
 dumped description as `target-config-<device>.txtpb`. The deviceless compiles run on the CPU while

@@ -152,3 +152,22 @@ def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):
   report = run.memory_report(s, run.compile_train_step(s))
   compiled, estimated = report['per_device_bytes']['total'], report['estimate_bytes']['total']
   assert abs(estimated / compiled - 1) <= 0.05, (compiled, report['estimate_bytes'])
+
+
+@needs_plugin
+def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path):
+  """`python -m bench.target_check --smoke` on a CPU: a case compiled for a GPU without one (its
+  deviceless figure) beside the same case run here, written as JSON and markdown."""
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, '-m', 'bench.target_check', '--smoke',
+                         '--only=^1b_bf16_mixed$', f'--out_dir={tmp_path / "out"}',
+                         f'--workdir={tmp_path / "w"}'], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((tmp_path / 'out' / 'target-check-cpu-smoke.json').read_text())
+  case = results['cases']['1b_bf16_mixed']
+  assert case['compiler'].startswith('XLA:GPU ') and case['deviceless_bytes'] > 0
+  assert case['attached_bytes'] > 0 and case['peak_bytes'] is None   # a CPU reports no peak
+  assert results['target'] == '1xH100-80GB' and results['description_differences'] is None
+  assert (tmp_path / 'out' / 'target-check-cpu-smoke.md').exists()
