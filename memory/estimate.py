@@ -112,6 +112,7 @@ from precision.policy import Policy, get_policy
 FP32 = 4
 QUANTIZED_MIN_SIZE = 4096   # optim/adam8bit.py: smaller tensors keep fp32 moments
 UPDATE_SLICES = 16          # optim/adam8bit.py: a quantized moment is updated a sixteenth at a time
+SCHEDULER_SLOP = 0.95       # XLA:GPU's default xla_gpu_memory_limit_slop_factor, as a fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,8 @@ class StepShape:
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
   packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
+  # The bytes XLA:GPU schedules the step toward (parallel/target.py:scheduling_memory; 0: none).
+  scheduling_memory: int = 0
 
   @property
   def backward_in_loop(self) -> bool:
@@ -717,8 +720,9 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
     # XLA:GPU fuses the whole update (and the select that skips a non-finite step,
     # train/step.py) into one elementwise pass per weight, in place: no buffer of its own (100m
     # and 7b DDP on 8 H100s, bench.buffers --target: the peak is the backward's). Under ZeRO-1/2
-    # the new weights are gathered whole (below), not a layer at a time.
-    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape)}
+    # the new weights are gathered whole (below), not a layer at a time, where memory allows.
+    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape),
+            'one_at_a_time': gathered_one_at_a_time(cfg, policy, shape)}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
@@ -739,6 +743,41 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   if shape.zero_stage not in (1, 2) or shape.fsdp == 1:
     return 0
   return shape.stage_params(cfg) * policy.param_bytes / shape.tensor
+
+
+def gathered_one_at_a_time(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-1/2 on XLA:GPU where the scheduler has no room to gather the new weights whole: one
+  stacked weight gathered at a time, the largest (an MLP matrix's stack) at the peak, beside the
+  MLP stacks' new shards twice, as computed and laid out for their gathers, which replace their
+  gradients (70b ZeRO-2 on 8 and 64 H100s, bench.buffers --target: a 70 GiB fp32 all-gather and
+  six fp32 MLP shards at the peak, 128.4 and 77.3 GiB of temp)."""
+  if shape.zero_stage not in (1, 2) or shape.fsdp == 1:
+    return 0
+  layers = cfg.num_layers / shape.stages
+  largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
+  return largest + layers * cfg.mlp_params_per_layer * policy.param_bytes / shards(cfg, shape, 1)
+
+
+def scheduler_room(shape: StepShape, state: float) -> float | None:
+  """The temporary bytes XLA:GPU's scheduler keeps a step under (None: no limit known): what its
+  scheduling memory leaves beside the state (the step's donated arguments), times its slop factor
+  (`xla_gpu_memory_limit_slop_factor`, 95 %); none where the state alone is larger (70b ZeRO-2 on
+  8 H100s: XLA logs that the arguments exceed its limit, and gathers the new weights one at a
+  time)."""
+  if not on_gpu(shape) or not shape.scheduling_memory:
+    return None
+  return max(0.0, shape.scheduling_memory - state) * SCHEDULER_SLOP
+
+
+def transposed_gradient(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-1 on XLA:GPU: when the backward pass ends, each whole stacked gradient is cut into the
+  optimizer's shards along its d_model dimension, which is not its first, so XLA transposes the
+  stack whole first, one at a time, beside all the gradients (7b and 70b ZeRO-1 on 8 H100s,
+  bench.buffers --target: an fp32 [d_model, layers, d_ff] copy of an MLP gradient at the peak,
+  5.4 and 70 GiB). ZeRO-2 reduce-scatters each layer's gradients inside the loop instead."""
+  if not on_gpu(shape) or shape.zero_stage != 1 or shape.fsdp == 1:
+    return 0
+  return cfg.num_layers / shape.stages * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
 
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -892,7 +931,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
                  + circular_chunk_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
-  reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']}
+  reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
+                     + (transposed_gradient(cfg, policy, shape) if frozen is None else 0)}
   # Before the layers run backward: the saved stacks converted to fp32 beside their 16-bit selves
   # (XLA:CPU only), and the gradient reaching the last layer.
   converted = stack_convert_bytes(cfg, policy, shape)
@@ -913,7 +953,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # Where XLA:GPU gathers the new weights whole (ZeRO-1/2), the gradients are optimizer shards.
   update_phase = update['chain']
   if update.get('gathered'):
-    update_phase += update['gathered'] + n * p / shards(cfg, shape, 1) - grads
+    # The scheduler gathers the new weights whole where that fits beside the state, one at a time
+    # where nothing does, and as many as fit in between.
+    whole = update['gathered'] + n * p / shards(cfg, shape, 1) - grads
+    room = scheduler_room(shape, params + (0 if shape.offload_optimizer else optimizer))
+    if room is not None:
+      one = update['one_at_a_time'] + n * p / shards(cfg, shape, 1) - grads
+      whole = min(whole, max(one, room - grads))
+    update_phase += whole
   parts = {
       'params': params,
       'grads': grads,

@@ -27,6 +27,7 @@ from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.pipeline_1f1b import OneFOneB
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
+from parallel.target import scheduling_memory
 from precision.policy import Policy
 from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
@@ -272,6 +273,7 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                    packed=bool(s.config.data.packing),
+                   scheduling_memory=scheduling_memory(s.mesh.devices.flat[0]),
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                        repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
