@@ -417,7 +417,8 @@ def pipeline_ring_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   return (2 * M + 1) * shape.tokens / M * cfg.d_model * policy.compute_bytes
 
 
-def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                         trains_weights: bool = True) -> dict[str, float]:
   """One layer's backward working set: activation-shaped buffers and weight-shaped ones.
 
   The activations are one layer's un-rematerialised set (the slices of the saved stacks, or under
@@ -425,7 +426,7 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   layer's backward holds more: the MLP's (the SwiGLU rows, and three fp32 gradients of mlp_dim
   where they were recomputed) or the attention's (the gradient of the probabilities)."""
   if on_gpu(shape) and cfg.remat == 'full' and fused_attention(cfg, policy, shape.backend):
-    return gpu_recomputed_layer(cfg, policy, shape)
+    return gpu_recomputed_layer(cfg, policy, shape, trains_weights)
   if cfg.remat == 'none' or not upcasts(policy, shape.backend):
     layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none',
                                       shape.backend)
@@ -471,7 +472,8 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
           'weights': weights * weight_bytes * (1 + padding)}
 
 
-def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                         trains_weights: bool = True) -> dict[str, float]:
   """A recomputed layer's backward on XLA:GPU (remat full, a fused attention): every value in the
   compute dtype, the norms' fp32 rows and the activations' gradients fused away. At the MLP's
   backward: three mlp_dim rows (the gate and up products and a gradient), seven d_model rows (the
@@ -479,7 +481,9 @@ def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   value, and two d_model boolean rows (the norms' masks); one layer's weights in the compute dtype
   (gathered, dequantized or cast) and, where they train, their gradient (7b QLoRA on one H100,
   `model.loss_chunk` small so that the layer is the peak, bench.buffers --target: 2.70 GiB beside
-  the saved stack, 16,384 tokens)."""
+  the saved stack, 16,384 tokens). A frozen base (`trains_weights` False) has no gradient: 20b
+  QLoRA on one H100, bench.buffers --target: one layer's kernels dequantized to bf16, 0.73 GiB,
+  and nothing weight-shaped besides."""
   c = policy.compute_bytes
   q = cfg.num_heads * cfg.head_dim / shape.tensor
   kv = cfg.num_kv_heads * cfg.head_dim / shape.tensor
@@ -498,7 +502,8 @@ def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     # bf16[1, 1, 32768, 32768] bias and its select at the attention's backward, 4 GiB).
     mask = 2 * shape.rows_per_device * shape.local_len ** 2 * c
   return {'activations': shape.tokens * per_token + mask + context_kv_bytes(cfg, policy, shape),
-          'weights': weights * (c * gathered(cfg, shape) + policy.param_bytes)}
+          'weights': weights * (c * gathered(cfg, shape)
+                                + (policy.param_bytes if trains_weights else 0))}
 
 
 def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -517,12 +522,15 @@ def context_kv_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
   return shape.rows_per_device * shape.seq_len * kv * 2 * (c + FP32)
 
 
-def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
+def layer_phase_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                      trains_weights: bool = True) -> dict[str, float]:
   """The layer backward's peak: where its activations peak (with one layer's weight gradient),
   or where its weights do (the weights and their gradient, or under ZeRO-2/3 the gradient before
-  and after its reduction), whichever is larger."""
-  layer = layer_backward_bytes(cfg, policy, shape)
-  if layer['activations'] >= layer['weights']:
+  and after its reduction), whichever is larger. A frozen base on XLA:GPU (`trains_weights`
+  False): the weights alone, beside the activations."""
+  trains_weights = trains_weights or not on_gpu(shape)
+  layer = layer_backward_bytes(cfg, policy, shape, trains_weights)
+  if layer['activations'] >= layer['weights'] or not trains_weights:
     return layer
   return {'activations': 0, 'weights': 2 * layer['weights']}
 
@@ -674,7 +682,8 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
   chunk_layers = cfg.num_layers / (P * R)
-  layer = layer_phase_bytes(cfg, policy, micro)
+  layer = layer_phase_bytes(cfg, policy, micro,
+                            trains_weights=frozen is None or shape.gathers_params)
   # Without remat the chunk's backward is straight-line code and frees each layer's saved
   # activations as it passes it: at the last layer's backward, the others' are held (100m,
   # 3-layer chunks: within 4 % of the compile from 4 to 16 microbatches; all of them counted,
@@ -903,8 +912,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
                     / shards(cfg, shape, 2) if shape.stages > 1 and frozen is None else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time.
+  # A frozen base has no weight gradient. Under ZeRO-3 XLA:GPU holds other weight-shaped buffers
+  # that this model does not count one by one, a base shard transposed for the gathers and the
+  # next layers' gathered weights (20b LoRA on 8 H100s, bench.buffers --target: 1.7 GiB at the
+  # head's backward): there the layer's weights and a gradient's worth stand for them (without
+  # them 7b and 20b LoRA on 8 are 15 and 20 % under the compiled total).
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
-      shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches))
+      shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches),
+                            trains_weights=frozen is None or shape.gathers_params)
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
   # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits).
@@ -924,8 +939,13 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
   common = microbatch_grads + copies + pipeline_grads
+  # Under ZeRO-3 XLA:GPU gathers the last layer's weights for its backward while the head's runs
+  # (20b QLoRA on 8 H100s, bench.buffers --target: two MLP and six attention matrices in flight at
+  # the head's peak; with them the 1b step in fp32, bf16_master and bf16 on 8 comes within 4 %).
+  prefetched = (cfg.params_per_layer / shape.tensor * policy.compute_bytes * gathered(cfg, shape)
+                if on_gpu(shape) and shape.gathers_params else 0)
   head_phase = {'activations': saved + vocab['logits'],
-                'temporaries': common + vocab['head'] - unformed}
+                'temporaries': common + vocab['head'] - unformed + prefetched}
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
