@@ -103,6 +103,16 @@ def test_a_step_compiled_for_gpus_is_the_gpus_program():
 
 
 @needs_plugin
+def test_compile_only_gpus_are_scheduled_toward_80_percent_of_their_described_memory():
+  """XLA:GPU's scheduling memory for a device it only has a description of (what the estimate
+  models: memory/estimate.py:scheduler_room); none for a CPU."""
+  import jax
+  devices = compile_devices(parse_target('2xH100-80GB'))
+  assert target_lib.scheduling_memory(devices[0]) == int(0.8 * DESCRIPTIONS['H100-80GB'].memory_bytes)
+  assert target_lib.scheduling_memory(jax.devices('cpu')[0]) == 0
+
+
+@needs_plugin
 def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
   workdir = tmp_path / 'w'
   result = main_py('--config=configs/fsdp.py:tiny', '--dry_run', '--target=16xH100-80GB',
@@ -138,6 +148,11 @@ def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
     ('100m', {'mesh.data': -1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0}),
     # ZeRO-2: the new weights gathered whole before they are written.
     ('1b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 2}),
+    # ... and one stack at a time where the fp32 state leaves XLA's scheduler no room (+57 %
+    # with the whole gather).
+    ('70b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 2}),
+    # ZeRO-1: a whole MLP gradient stack transposed before it is sliced (-5 % without it).
+    ('7b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 1}),
 ])
 def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):
   """The analytic estimate on a GPU against XLA:GPU's compiled total, 8 H100s, one sequence each
