@@ -1,11 +1,11 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/qlora.py:20b --config.train.batch_size=4 --config.train.seq_len=1024 --plan --target=1xRTX4090-24GB --workdir=/tmp/plans/20b-qlora-1xRTX4090-24GB
+  python main.py --config=configs/qlora.py:20b --config.train.batch_size=4 --config.train.seq_len=1024 --target=1xRTX4090-24GB --plan --workdir=runs/plan46b-20b-qlora-1xRTX4090-24GB
 
 bf16_mixed, Adam 32-bit, ZeRO-0, tensor 1, remat full, 1 microbatch(es)
-on 1xRTX4090-24GB: compiled 15.2 GB per device (estimate 18.4 GB; usable 21.6 GB), estimated 7.64 s per step, 536 tokens/s.
+on 1xRTX4090-24GB: compiled 15.2 GB per device (estimate 15.6 GB; usable 21.6 GB), estimated 7.64 s per step, 536 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/plans/20b-qlora-1xRTX4090-24GB/planned_config.py
-Size it here:          python main.py --config=/tmp/plans/20b-qlora-1xRTX4090-24GB/planned_config.py --dry_run --target=1xRTX4090-24GB
+Run it on the target:  python main.py --config=runs/plan46b-20b-qlora-1xRTX4090-24GB/planned_config.py
+Size it here:          python main.py --config=runs/plan46b-20b-qlora-1xRTX4090-24GB/planned_config.py --dry_run --target=1xRTX4090-24GB
 """
 import ml_collections
 

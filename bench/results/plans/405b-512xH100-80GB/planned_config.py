@@ -1,11 +1,11 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:405b --plan --target=512xH100-80GB --workdir=/tmp/plans/405b-512xH100-80GB
+  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan46b-405b-512xH100-80GB
 
 bf16_master, Adam 32-bit, ZeRO-3, tensor 2, remat full, 1 microbatch(es)
 on 512xH100-80GB: compiled 61.8 GB per device (estimate 61.4 GB; usable 72.0 GB), estimated 31.43 s per step, 66,724 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/plans/405b-512xH100-80GB/planned_config.py
-Size it here:          python main.py --config=/tmp/plans/405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
+Run it on the target:  python main.py --config=runs/plan46b-405b-512xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan46b-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
 """
 import ml_collections
 

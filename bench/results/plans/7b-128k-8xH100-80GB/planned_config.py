@@ -1,11 +1,11 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:7b --plan --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --workdir=/tmp/plans/7b-128k-8xH100-80GB
+  python main.py --config=configs/fsdp.py:7b --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --plan --workdir=runs/plan46b-7b-128k-8xH100-80GB
 
 bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat full, 2 microbatch(es)
-on 8xH100-80GB: compiled 71.4 GB per device (estimate 68.2 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
+on 8xH100-80GB: compiled 71.4 GB per device (estimate 68.6 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/plans/7b-128k-8xH100-80GB/planned_config.py
-Size it here:          python main.py --config=/tmp/plans/7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
+Run it on the target:  python main.py --config=runs/plan46b-7b-128k-8xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan46b-7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
 """
 import ml_collections
 

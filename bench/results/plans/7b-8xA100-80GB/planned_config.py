@@ -1,11 +1,11 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=/tmp/plans/7b-8xA100-80GB
+  python main.py --config=configs/fsdp.py:7b --target=8xA100-80GB --plan --workdir=runs/plan46b-7b-8xA100-80GB
 
 bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat none, 8 microbatch(es)
 on 8xA100-80GB: compiled 55.5 GB per device (estimate 48.4 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
 
-Run it on the target:  python main.py --config=/tmp/plans/7b-8xA100-80GB/planned_config.py
-Size it here:          python main.py --config=/tmp/plans/7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
+Run it on the target:  python main.py --config=runs/plan46b-7b-8xA100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan46b-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
 """
 import ml_collections
 
