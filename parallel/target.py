@@ -103,9 +103,11 @@ def compile_devices(target_config: str, count: int, per_node: int) -> list:
 
 def scheduling_memory(device) -> int:
   """The bytes XLA:GPU schedules a step for `device` toward (0: none, not a GPU): 80 % of a
-  compile-only device's described memory, the allocator's limit of a GPU that is here."""
+  compile-only device's described memory, the allocator's limit of a GPU that is here (this
+  process's own GPU: another host's has no statistics here)."""
   if device in _described_memory:
     return int(DESCRIBED_MEMORY_SHARE * _described_memory[device])
   if device.platform != 'gpu':
     return 0
-  return int((device.memory_stats() or {}).get('bytes_limit', 0))
+  import jax
+  return int((jax.local_devices()[0].memory_stats() or {}).get('bytes_limit', 0))
