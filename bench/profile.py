@@ -23,6 +23,14 @@ Two parts, both in one command:
   python -m bench.profile --config=configs/default.py:100m --config.precision=bf16_mixed
   python -m bench.profile --steps=10 --top=20 --out=profile.json --trace_dir=/tmp/trace
 
+On a GPU the device's kernels (CUPTI's events in the trace) are read as well (bench/gpu_kernels.py):
+kernels per step, busy time and the idle gaps between kernels, time by kernel kind (cuBLAS GEMMs,
+fp32 ones apart, XLA's Triton GEMMs, cuDNN, loop and reduction fusions, copies, memsets,
+collectives, host transfers) and the slowest kernels by name; the slowest operations other than
+matmuls also say what fraction of the datasheet's memory bandwidth they reach. XLA's command
+buffers (CUDA graphs) are turned off for it, so that every kernel names the HLO operation it runs
+for (`--gpu_command_buffers` keeps them, as a run has them).
+
 Times are per step, in ms. On the CPU every thread's events are merged, so a matmul spread over
 both cores counts its wall time once; operations running at the same time on different threads
 (XLA:CPU runs independent ones concurrently) each count theirs, so the parts may sum to more than
@@ -39,10 +47,11 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from bench.gpu_kernels import (GPU_KINDS, MATMUL_KINDS, device_events, kernel_instruction,
+                               kernel_time, slowest_kernels, union_us)
 from bench.hlo_ops import KINDS, REGIONS, describe_instructions
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
@@ -53,12 +62,29 @@ _LOOP = flags.DEFINE_bool('loop', True, 'Also trace the real training loop.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the traces here (TensorBoard / Perfetto '
                                  'read them); default: a scratch directory, removed.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the results as JSON to this file.')
+_COMMAND_BUFFERS = flags.DEFINE_bool(
+    'gpu_command_buffers', False, 'On a GPU, keep XLA\'s command buffers (CUDA graphs), as a run '
+    'has them; by default they are off, so that every kernel names the HLO operation it runs for '
+    '(inside one, a cuBLAS or cuDNN kernel names only the command buffer).')
+
+# XLA's flag that lists what command buffers capture: empty, nothing is captured.
+NO_COMMAND_BUFFERS = (('xla_gpu_enable_command_buffer', ''),)
+
+
+def without_command_buffers(environ=os.environ) -> bool:
+  """Before JAX starts a backend: command buffers off where JAX will run on a CUDA GPU (a flag the
+  user's XLA_FLAGS already sets is kept). Whether they were turned off."""
+  from parallel import xla_flags
+  if not xla_flags.cuda_expected(jax.config.jax_platforms, environ):
+    return False
+  environ['XLA_FLAGS'], added = xla_flags.merged(environ.get('XLA_FLAGS', ''), NO_COMMAND_BUFFERS)
+  return bool(added)
 
 
 # ---- the trace ---------------------------------------------------------------------------------
 def read_trace(directory: str) -> list[dict]:
   """The complete ('X') events of the newest trace under `directory`, times in µs, each with
-  its thread's name."""
+  its thread's and its process's name (`/device:GPU:0` for a GPU's kernels)."""
   files = sorted(glob.glob(os.path.join(directory, '**', '*.trace.json.gz'), recursive=True),
                  key=os.path.getmtime)
   if not files:
@@ -67,25 +93,22 @@ def read_trace(directory: str) -> list[dict]:
     events = json.load(f)['traceEvents']
   threads = {(e['pid'], e.get('tid')): e['args']['name'] for e in events
              if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
-  return [{**e, 'thread': threads.get((e['pid'], e.get('tid')), '')}
+  processes = {e['pid']: e['args']['name'] for e in events
+               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  return [{**e, 'thread': threads.get((e['pid'], e.get('tid')), ''),
+           'process': processes.get(e['pid'], '')}
           for e in events if e.get('ph') == 'X' and 'dur' in e]
 
 
-def _union(intervals) -> float:
-  """Total length covered by [start, end) intervals."""
-  total, reach = 0.0, -np.inf
-  for start, end in sorted(intervals):
-    if end > reach:
-      total += end - max(start, reach)
-      reach = end
-  return total
-
-
 def op_events(events: list[dict], described: dict) -> list[dict]:
-  """Events of the program's instructions: a CPU thunk's name, or a GPU kernel's `hlo_op`."""
+  """Events of the program's instructions: a CPU thunk's name, or the instruction a GPU kernel
+  belongs to (bench/gpu_kernels.py: its `hlo_op`, or the fusion its name was made from)."""
   found = []
   for e in events:
-    name = e.get('args', {}).get('hlo_op') or e['name']
+    if e.get('process', '').startswith('/device:GPU'):
+      name = kernel_instruction(e, described)
+    else:
+      name = e.get('args', {}).get('hlo_op') or e['name']
     if name in described:
       found.append({**e, 'op': name})
   return found
@@ -114,7 +137,7 @@ def split_time(ops: list[dict], described: dict, steps: int) -> dict:
     by_group[(d['region'], pass_, d['kind'])].append(interval)
     by_kind[d['kind']].append(interval)
     by_op[e['op']].append(interval)
-  ms = lambda intervals: _union(intervals) / 1e3 / steps
+  ms = lambda intervals: union_us(intervals) / 1e3 / steps
   return {'groups': {'/'.join(k): ms(v) for k, v in by_group.items()},
           'kinds': {k: ms(v) for k, v in by_kind.items()},
           'ops': {k: ms(v) for k, v in by_op.items()},
@@ -122,17 +145,42 @@ def split_time(ops: list[dict], described: dict, steps: int) -> dict:
           'busy': ms([iv for v in by_kind.values() for iv in v])}
 
 
-def memory_rates(top: list[dict]) -> None:
+def memory_rates(top: list[dict], hbm: float | None = None) -> None:
   """Adds to each of the slowest operations other than matmuls the bytes it moves per step, the
-  rate it moves them at, and the rate a plain streaming op of the same size reaches here (bench/
-  measure.py): where an operation runs far below that, the compiler's code for it is the limit,
-  not the memory."""
+  rate it moves them at, the rate a plain streaming op of the same size reaches here (bench/
+  measure.py) and, on a GPU with a datasheet, the fraction of its memory bandwidth (`hbm`, bytes/s):
+  where an operation runs far below them, the compiler's code for it is the limit, not the memory."""
   from bench.measure import streaming_bytes_per_sec
   for r in top:
     if r['kind'] == 'matmul' or not r['bytes'] or not r['ms']:
       continue
     r['bytes_per_sec'] = r['bytes'] * r['runs'] / (r['ms'] / 1e3)
     r['streaming_bytes_per_sec'] = streaming_bytes_per_sec(r['bytes'])
+    if hbm:
+      r['fraction_of_hbm'] = r['bytes_per_sec'] / hbm
+
+
+def print_gpu_kernels(gpu: dict) -> None:
+  """The GPU's kernels, as bench/gpu_kernels.py reads them: busy and idle time, by kind, and the
+  slowest kernels by name."""
+  if gpu['command_buffers'] is None:   # a trace read without its program (bench.gpu_kernels)
+    attributed = 'read without the program: kinds from the kernels\' names'
+  elif not gpu['command_buffers']:
+    attributed = ('every kernel named its HLO operation (command buffers off: '
+                  '--gpu_command_buffers keeps them, as a run has them)')
+  else:
+    attributed = (f'{gpu["attributed_ms"]:.1f} ms of it attributed to an HLO operation above '
+                  f'(inside a command buffer a cuBLAS or cuDNN kernel names only the buffer)')
+  print(f'  GPU kernels        {gpu["kernels"]:,.0f} per step, busy {gpu["busy"]:.1f} ms, idle '
+        f'between kernels {gpu["idle"]:.1f} ms; {attributed}')
+  print('  by kernel kind (ms per step): ' + ', '.join(
+      f'{k} {gpu["kinds"][k]:.1f}' for k in GPU_KINDS if gpu['kinds'].get(k, 0) >= 0.05))
+  matmul = sum(gpu['kinds'].get(k, 0.0) for k in MATMUL_KINDS)
+  print(f'  matmuls and attention (cuBLAS, Triton GEMM, cuDNN) {matmul:.1f} ms, '
+        f'{100 * matmul / gpu["busy"] if gpu["busy"] else 0:.0f} % of the busy time')
+  print('  slowest kernels (ms per step, launches per step):')
+  for r in gpu['slowest_kernels']:
+    print(f'    {r["ms"]:7.2f}  {r["launches"]:5.0f}  {r["kind"]:16s} {r["kernel"][:72]}')
 
 
 # ---- the two measurements ----------------------------------------------------------------------
@@ -194,7 +242,7 @@ def loop_data_path(events: list[dict], ops: list[dict], steps: int) -> dict:
   busy = sorted((e['ts'], e['ts'] + e['dur']) for e in ops)
   overlapped = 0.0
   for start, end in reads:
-    overlapped += _union([(max(a, start), min(b, end)) for a, b in busy if a < end and b > start])
+    overlapped += union_us([(max(a, start), min(b, end)) for a, b in busy if a < end and b > start])
   read = sum(end - start for start, end in reads)
   return {'read_ms_per_step': read / 1e3 / len(reads), 'overlap': overlapped / read if read else None,
           'reads': len(reads)}
@@ -212,6 +260,7 @@ def main(argv):
   if _STEPS.value < 2 or _WARMUP.value < 1:
     raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
                          f'least 2 and warmup at least 1')
+  graphs_off = not _COMMAND_BUFFERS.value and without_command_buffers()
   # The loop below compiles the same step again: with the cache on (the default) it loads this one.
   compile_cache.enable(config.get('compile_cache', ''))
   s = bench_setup(config)
@@ -226,8 +275,10 @@ def main(argv):
   root = keep or scratch.name
   step_dir, loop_dir = os.path.join(root, 'step'), os.path.join(root, 'loop')
   timing = profile_step(s, compiled, steps, _WARMUP.value, step_dir)
-  ops = op_events(read_trace(step_dir), described)
+  events = read_trace(step_dir)
+  ops = op_events(events, described)
   split = split_time(ops, described, steps)
+  kernels = device_events(events)
   step_ms = timing['step_seconds'] * 1e3
 
   platform, device_kind = jax.devices()[0].platform, jax.devices()[0].device_kind
@@ -258,7 +309,11 @@ def main(argv):
       ({'op': k, 'ms': v, 'runs': split['runs'][k], **described[k]}
        for k, v in split['ops'].items()), key=lambda r: -r['ms'])
       if r['kind'] != 'matmul'][:_TOP.value]
-  memory_rates(results['top_other_ops'])
+  memory_rates(results['top_other_ops'], sheet['hbm'] if sheet else None)
+  if kernels:
+    results['gpu'] = {**kernel_time(kernels, steps), 'command_buffers': not graphs_off,
+                      'attributed_ms': split['busy'],
+                      'slowest_kernels': slowest_kernels(kernels, steps, _TOP.value)}
 
   print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), batch {train.batch_size} '
         f'x {train.seq_len} tokens: the compiled step alone, {steps} traced steps')
@@ -292,9 +347,14 @@ def main(argv):
         'the GB/s of a plain streaming op of that size here):')
   for r in results['top_other_ops']:
     rates = (f'{r["bytes"] / 1e6:6.1f} MB x {r["runs"]:3.0f} {r["bytes_per_sec"] / 1e9:6.1f} GB/s '
-             f'(stream {r["streaming_bytes_per_sec"] / 1e9:5.1f})' if 'bytes_per_sec' in r else '')
+             f'(stream {r["streaming_bytes_per_sec"] / 1e9:5.1f}'
+             + (f', {100 * r["fraction_of_hbm"]:.0f} % of HBM' if 'fraction_of_hbm' in r else '')
+             + ')' if 'bytes_per_sec' in r else '')
     print(f'    {r["ms"]:7.2f}  {r["op"]:28s} {r["kind"]:14s} {r["region"]:9s} '
           f'{"bwd" if r["backward"] else "fwd"}  {rates}  {r["shape"][:32]}')
+
+  if kernels:
+    print_gpu_kernels(results['gpu'])
 
   if _LOOP.value:
     loop = profile_loop(config, steps, _WARMUP.value, loop_dir)

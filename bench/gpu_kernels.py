@@ -1,0 +1,127 @@
+"""What the kernels of a GPU trace are. A `jax.profiler` trace of a GPU step holds one event per
+kernel on the device's streams (CUPTI's, in the process `/device:GPU:<n>`): the kernel's name, its
+time, and in `args` the HLO operation that launched it (`hlo_op`). Inside a command buffer (a CUDA
+graph, XLA's default for fusions and cuBLAS/cuDNN calls) that operation is the command buffer
+itself; a fusion's kernel still carries its instruction's name (`loop_convert_fusion_12` for
+`loop_convert_fusion.12`), a library's kernel carries only the library's name (`nvjet_sm90_*` for
+cuBLAS, `cudnn_*` for cuDNN). So every kernel gets its kind from its name, and the instruction it
+belongs to where the trace or its name says (bench/profile.py turns command buffers off on a GPU so
+that all of them do).
+
+Defines no flags: tests and other benchmarks import it. Run, it reads a trace already recorded
+(`bench.profile --trace_dir=DIR` on a GPU, or any `jax.profiler` trace of one):
+
+  python -m bench.gpu_kernels DIR --steps=2      # the steps the trace holds
+"""
+import argparse
+import re
+
+# What a kernel is, read from its name; in the order the profile prints them.
+GPU_KINDS = ('cuBLAS GEMM', 'cuBLAS GEMM fp32', 'Triton GEMM', 'cuDNN', 'loop fusion',
+             'reduction fusion', 'copy/transpose', 'memset', 'collective', 'host transfer', 'other')
+MATMUL_KINDS = ('cuBLAS GEMM', 'cuBLAS GEMM fp32', 'Triton GEMM', 'cuDNN')
+
+# (kind, pattern on the lower-cased kernel name), the first that matches; the order matters
+# (`gemm_fusion_*` is XLA's Triton GEMM, not cuBLAS; `input_transpose_fusion` is a transpose).
+_KIND_PATTERNS = (
+    ('collective', r'nccl'),
+    ('host transfer', r'memcpy.*(htod|dtoh|h2d|d2h)|(htod|dtoh)'),
+    ('memset', r'^memset'),
+    ('cuDNN', r'cudnn|fmha|sdpa'),
+    ('Triton GEMM', r'^(gemm_fusion|triton)'),
+    # cuBLAS on fp32 operands (TF32 tensor cores at best): `*_f32f32_tf32f32_*`, `sgemm`.
+    ('cuBLAS GEMM fp32', r'(gemm|xmma).*(f32f32|tf32)|sgemm'),
+    ('cuBLAS GEMM', r'^nvjet|gemm|xmma|cutlass|cublas'),
+    ('copy/transpose', r'transpose|copy|^memcpy'),
+    ('reduction fusion', r'^input_|reduce'),
+    ('loop fusion', r'^(loop_|wrapped_|fusion)'),
+)
+
+
+def kernel_kind(name: str) -> str:
+  """The kind of a GPU kernel (one of GPU_KINDS), from its name."""
+  lowered = name.lower()
+  return next((kind for kind, pattern in _KIND_PATTERNS if re.search(pattern, lowered)), 'other')
+
+
+def device_events(events: list[dict]) -> list[dict]:
+  """The kernel and memory events of the GPU devices' streams (bench/profile.py:read_trace's
+  events, which carry their process's name)."""
+  return [e for e in events if e.get('process', '').startswith('/device:GPU')]
+
+
+def kernel_instruction(event: dict, described: dict) -> str | None:
+  """The HLO instruction a kernel belongs to: the trace's `hlo_op` where it is one of the
+  program's (`described`), else the instruction its name was made from; None for a library kernel
+  inside a command buffer."""
+  op = event.get('args', {}).get('hlo_op')
+  if op in described:
+    return op
+  for name in (event['name'], re.sub(r'_(\d+)$', r'.\1', event['name'])):
+    if name in described:
+      return name
+  return None
+
+
+def union_us(intervals) -> float:
+  """Total length covered by [start, end) intervals."""
+  total, reach = 0.0, float('-inf')
+  for start, end in sorted(intervals):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+def kernel_time(kernels: list[dict], steps: int) -> dict:
+  """ms per step: busy (some kernel running), idle (the gaps between the first kernel and the
+  last), by kind; and kernels per step."""
+  intervals = [(e['ts'], e['ts'] + e['dur']) for e in kernels]
+  if not intervals:
+    return {'busy': 0.0, 'idle': 0.0, 'kinds': {}, 'kernels': 0.0}
+  busy = union_us(intervals)
+  span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+  by_kind = {}
+  for e in kernels:
+    by_kind.setdefault(kernel_kind(e['name']), []).append((e['ts'], e['ts'] + e['dur']))
+  per_step = lambda us: us / 1e3 / steps
+  return {'busy': per_step(busy), 'idle': per_step(span - busy),
+          'kinds': {k: per_step(union_us(v)) for k, v in by_kind.items()},
+          'kernels': len(kernels) / steps}
+
+
+def slowest_kernels(kernels: list[dict], steps: int, top: int) -> list[dict]:
+  """The kernels that take longest per step, summed by name: ms per step, launches per step, and
+  the kind."""
+  by_name = {}
+  for e in kernels:
+    total, count = by_name.get(e['name'], (0.0, 0))
+    by_name[e['name']] = (total + e['dur'], count + 1)
+  rows = [{'kernel': name, 'ms': us / 1e3 / steps, 'launches': count / steps,
+           'kind': kernel_kind(name)} for name, (us, count) in by_name.items()]
+  return sorted(rows, key=lambda r: -r['ms'])[:top]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog='python -m bench.gpu_kernels',
+                                   description='The kernels of a recorded GPU trace, by kind.')
+  parser.add_argument('trace_dir', help='a directory holding a *.trace.json.gz (the newest is read)')
+  parser.add_argument('--steps', type=int, default=1, help='steps the trace holds (per-step figures)')
+  parser.add_argument('--top', type=int, default=12, help='the slowest kernels listed')
+  args = parser.parse_args(argv)
+  if args.steps < 1:
+    parser.error(f'--steps={args.steps}: at least 1')
+  from bench.profile import print_gpu_kernels, read_trace
+  try:
+    kernels = device_events(read_trace(args.trace_dir))
+  except RuntimeError as e:
+    parser.error(str(e))
+  if not kernels:
+    parser.error(f'{args.trace_dir}: the trace holds no GPU kernels (no /device:GPU process)')
+  print(f'{args.trace_dir}: {args.steps} step(s)')
+  print_gpu_kernels({**kernel_time(kernels, args.steps), 'command_buffers': None,
+                     'slowest_kernels': slowest_kernels(kernels, args.steps, args.top)})
+
+
+if __name__ == '__main__':
+  main()
