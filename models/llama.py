@@ -23,7 +23,8 @@ from models.context import from_zigzag, sequence_shards, to_zigzag, zigzag_order
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
 from models.layers import Block, make_norm, rope_tables
-from models.loss import token_losses
+from models.attention import compile_platform
+from models.loss import logits_16bit_gradient, token_losses
 from precision.policy import Policy
 
 _TO_HOST = dict(offload_src='device', offload_dst='pinned_host')
@@ -325,6 +326,11 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       table = weights.astype(dtype)
       project = lambda x: jnp.einsum('bld,vd->blv', x, table, preferred_element_type=jnp.float32)
+      # Off the CPU the backward's two products take the logits' gradient in the compute dtype
+      # (models/loss.py). XLA:CPU of jax 0.10 runs bf16 products in fp32 whatever their operands,
+      # so the CPU keeps the plain product's program.
+      if compile_platform() != 'cpu' and jnp.dtype(dtype) != jnp.float32:
+        project = lambda x: logits_16bit_gradient(x, table)
     else:
       graphdef = nnx.graphdef(self.head)
       project = lambda x: nnx.merge(graphdef, weights)(x, call)

@@ -129,3 +129,34 @@ def test_bf16_logits_are_accumulated_in_fp32_not_rounded_to_bf16(tie):
   # The same logits rounded to bf16 break that bound: the test can tell the two apart.
   rounded = np.asarray(jnp.asarray(reference).astype(jnp.bfloat16), np.float32)
   assert np.any(np.abs(rounded - reference) > bound)
+
+
+def test_the_heads_backward_takes_the_logits_gradient_in_the_compute_dtype():
+  """models/loss.py:logits_16bit_gradient: the logits are the plain product's, fp32; the backward
+  rounds the logits' gradient to bf16 first (its gradients for g and for g rounded are the same,
+  which the plain product's are not), and against a float64 reference its gradients are off by
+  at most that rounding and the results' own (bf16's unit roundoff u = 2**-8 each) and fp32
+  summation (n terms, n * 2**-24)."""
+  from models.loss import logits_16bit_gradient
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (2, 8, 32), jnp.float32).astype(jnp.bfloat16)
+  table = jax.random.normal(keys[1], (64, 32), jnp.float32).astype(jnp.bfloat16)
+  g = jax.random.normal(keys[2], (2, 8, 64), jnp.float32)
+  rounded = g.astype(jnp.bfloat16).astype(jnp.float32)
+  plain = lambda x, t: jnp.einsum('bld,vd->blv', x, t, preferred_element_type=jnp.float32)
+  logits, vjp = jax.vjp(logits_16bit_gradient, x, table)
+  np.testing.assert_array_equal(logits, plain(x, table))
+  dx, dtable = vjp(g)
+  assert dx.dtype == x.dtype and dtable.dtype == table.dtype
+  for a, b in zip((dx, dtable), vjp(rounded)):
+    np.testing.assert_array_equal(a, b)
+  _, plain_vjp = jax.vjp(plain, x, table)
+  assert any(np.any(a != b) for a, b in zip(plain_vjp(g), plain_vjp(rounded)))
+  u = 2.0**-8
+  x64, t64, g64 = (np.asarray(a, np.float64) for a in (x, table, g))
+  for got, exact, magnitude, n in [
+      (dx, g64 @ t64, np.abs(g64) @ np.abs(t64), 64),
+      (dtable, np.einsum('blv,bld->vd', g64, x64),
+       np.einsum('blv,bld->vd', np.abs(g64), np.abs(x64)), 16)]:
+    summed = (u + n * 2.0**-24 * (1 + u)) * magnitude   # the product's error before its rounding
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= summed + u * (np.abs(exact) + summed))

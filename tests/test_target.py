@@ -102,6 +102,35 @@ def test_a_step_compiled_for_gpus_is_the_gpus_program():
   assert 0 < report['per_device_bytes']['total'] < 2**30
 
 
+def _loss_backward_products(hlo: str) -> list[tuple[str, ...]]:
+  """The operand dtypes of each dot in the loss's backward pass of a compiled program's text."""
+  import re
+  found, shapes = [], {}
+  for line in hlo.splitlines():
+    if re.match(r'^\S', line):   # a computation's header: names are local to it
+      shapes = dict(re.findall(r'([\w.\-]+): (\w+)\[', line))
+    defined = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[', line)
+    if defined:
+      shapes[defined.group(1)] = defined.group(2)
+    dot = re.search(r' dot\(%?([\w.\-]+), %?([\w.\-]+)\)', line)
+    if dot and 'transpose(jvp(loss))' in line:
+      found.append(tuple(shapes.get(name, '?') for name in dot.groups()))
+  return found
+
+
+@needs_plugin
+def test_the_heads_backward_runs_on_bf16_operands_on_gpus():
+  """The tied head's two backward products take the logits' gradient in bf16 on a GPU
+  (models/loss.py:logits_16bit_gradient), not fp32 GEMMs; XLA:CPU keeps the plain product."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0, 'train.batch_size': 2})
+  assert config.model.tie_embeddings
+  s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
+  products = _loss_backward_products(run.compile_train_step(s).as_text())
+  assert len(products) == 2 and all(dtypes == ('bf16', 'bf16') for dtypes in products), products
+
+
 @needs_plugin
 def test_compile_only_gpus_are_scheduled_toward_80_percent_of_their_described_memory():
   """XLA:GPU's scheduling memory for a device it only has a description of (what the estimate
