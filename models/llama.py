@@ -26,12 +26,20 @@ from models.layers import Block, make_norm, rope_tables
 from models.attention import compile_platform
 from models.loss import logits_16bit_gradient, token_losses
 from precision.policy import Policy
+from quant.contraction import DENSE_OUTPUT
 
 _TO_HOST = dict(offload_src='device', offload_dst='pinned_host')
 # The block's input, which the backward pass recomputes the block from: the scan keeps it per
 # layer on the device under `full`; the offload policies keep it in host memory instead.
 _OFFLOAD_INPUT = jax.checkpoint_policies.save_and_offload_only_these_names(
     names_which_can_be_saved=[], names_which_can_be_offloaded=['block_input'], **_TO_HOST)
+# `dots`: the weight matmuls' outputs, plain dot_generals and the dense products whose own VJP hides
+# theirs (quant/contraction.py names them).
+_SAVE_DOTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT))
+_OFFLOAD_DENSE = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[DENSE_OUTPUT], **_TO_HOST)
 _OFFLOAD_DOTS = jax.checkpoint_policies.offload_dot_with_no_batch_dims(**_TO_HOST)
 
 
@@ -46,13 +54,16 @@ def weights_on_device(tree):
 def _offload_input_and_dots(prim, *args, **params):
   """`dots_offload`: what `dots` saves (the weight matmuls' outputs), and the block's input, in
   host memory."""
-  case = _OFFLOAD_INPUT(prim, *args, **params)
-  return case if case is not Recompute else _OFFLOAD_DOTS(prim, *args, **params)
+  for policy in (_OFFLOAD_INPUT, _OFFLOAD_DENSE, _OFFLOAD_DOTS):
+    case = policy(prim, *args, **params)
+    if case is not Recompute:
+      return case
+  return Recompute
 
 
 _REMAT = {
     'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'dots': _SAVE_DOTS,
     'qkv': jax.checkpoint_policies.save_only_these_names('query', 'key', 'value'),
     'offload': _OFFLOAD_INPUT,             # as `full`, the block inputs in host memory
     'dots_offload': _offload_input_and_dots,   # as `dots`, what it saves in host memory

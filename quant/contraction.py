@@ -14,6 +14,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# The name of a dense product's output, for the remat policies.
+DENSE_OUTPUT = 'dense_output'
 
 
 def dense_dims(x: jax.Array, n_in: int) -> jax.lax.DotDimensionNumbers:
@@ -28,7 +32,9 @@ def dense_product(x: jax.Array, kernel: jax.Array, n_in: int, out_dtype=None) ->
   products, which keep the fp32 gradient's precision)."""
   if out_dtype is not None or x.dtype != kernel.dtype:
     return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=out_dtype)
-  return _dense_2d(x, kernel, n_in)
+  # Named, because a remat policy cannot see the matmul inside the custom VJP: `dots` saves by
+  # this name what it saves of a plain dot_general (models/llama.py).
+  return checkpoint_name(_dense_2d(x, kernel, n_in), DENSE_OUTPUT)
 
 
 def _as_matrices(x: jax.Array, kernel: jax.Array, n_in: int):
