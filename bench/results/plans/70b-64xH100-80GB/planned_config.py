@@ -1,11 +1,11 @@
 """Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan46b-70b-64xH100-80GB
+  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan47-70b
 
 bf16_master, Adam 32-bit, ZeRO-2, tensor 8, remat dots, 32 microbatch(es)
-on 64xH100-80GB: compiled 54.2 GB per device (estimate 68.5 GB; usable 72.0 GB), estimated 19.86 s per step, 52,789 tokens/s.
+on 64xH100-80GB: compiled 54.8 GB per device (estimate 68.5 GB; usable 72.0 GB), estimated 19.86 s per step, 52,789 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan46b-70b-64xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan46b-70b-64xH100-80GB/planned_config.py --dry_run --target=64xH100-80GB
+Run it on the target:  python main.py --config=runs/plan47-70b/planned_config.py
+Size it here:          python main.py --config=runs/plan47-70b/planned_config.py --dry_run --target=64xH100-80GB
 """
 import ml_collections
 
