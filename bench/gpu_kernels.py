@@ -16,6 +16,8 @@ Defines no flags: tests and other benchmarks import it. Run, it reads a trace al
 import argparse
 import re
 
+from bench.trace import read_trace, union_us
+
 # What a kernel is, read from its name; in the order the profile prints them.
 GPU_KINDS = ('cuBLAS GEMM', 'cuBLAS GEMM fp32', 'Triton GEMM', 'cuDNN', 'loop fusion',
              'reduction fusion', 'copy/transpose', 'memset', 'collective', 'host transfer', 'other')
@@ -63,16 +65,6 @@ def kernel_instruction(event: dict, described: dict) -> str | None:
   return None
 
 
-def union_us(intervals) -> float:
-  """Total length covered by [start, end) intervals."""
-  total, reach = 0.0, float('-inf')
-  for start, end in sorted(intervals):
-    if end > reach:
-      total += end - max(start, reach)
-      reach = end
-  return total
-
-
 def kernel_time(kernels: list[dict], steps: int) -> dict:
   """ms per step: busy (some kernel running), idle (the gaps between the first kernel and the
   last), by kind; and kernels per step."""
@@ -102,6 +94,29 @@ def slowest_kernels(kernels: list[dict], steps: int, top: int) -> list[dict]:
   return sorted(rows, key=lambda r: -r['ms'])[:top]
 
 
+def print_gpu_kernels(gpu: dict) -> None:
+  """The GPU's kernels, as bench/gpu_kernels.py reads them: busy and idle time, by kind, and the
+  slowest kernels by name."""
+  if gpu['command_buffers'] is None:   # a trace read without its program (bench.gpu_kernels)
+    attributed = 'read without the program: kinds from the kernels\' names'
+  elif not gpu['command_buffers']:
+    attributed = ('every kernel named its HLO operation (command buffers off: '
+                  '--gpu_command_buffers keeps them, as a run has them)')
+  else:
+    attributed = (f'{gpu["attributed_ms"]:.1f} ms of it attributed to an HLO operation above '
+                  f'(inside a command buffer a cuBLAS or cuDNN kernel names only the buffer)')
+  print(f'  GPU kernels        {gpu["kernels"]:,.0f} per step, busy {gpu["busy"]:.1f} ms, idle '
+        f'between kernels {gpu["idle"]:.1f} ms; {attributed}')
+  print('  by kernel kind (ms per step): ' + ', '.join(
+      f'{k} {gpu["kinds"][k]:.1f}' for k in GPU_KINDS if gpu['kinds'].get(k, 0) >= 0.05))
+  matmul = sum(gpu['kinds'].get(k, 0.0) for k in MATMUL_KINDS)
+  print(f'  matmuls and attention (cuBLAS, Triton GEMM, cuDNN) {matmul:.1f} ms, '
+        f'{100 * matmul / gpu["busy"] if gpu["busy"] else 0:.0f} % of the busy time')
+  print('  slowest kernels (ms per step, launches per step):')
+  for r in gpu['slowest_kernels']:
+    print(f'    {r["ms"]:7.2f}  {r["launches"]:5.0f}  {r["kind"]:16s} {r["kernel"][:72]}')
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m bench.gpu_kernels',
                                    description='The kernels of a recorded GPU trace, by kind.')
@@ -111,7 +126,6 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.steps < 1:
     parser.error(f'--steps={args.steps}: at least 1')
-  from bench.profile import print_gpu_kernels, read_trace
   try:
     kernels = device_events(read_trace(args.trace_dir))
   except RuntimeError as e:

@@ -72,6 +72,7 @@ def _fmt(value, digits=3, scale=1.0, unit='') -> str:
 CASE_COLUMNS = (   # (key, header, digits, scale)
     ('attention', 'attention', 0, 1), ('step_ms', 'step (ms)', 1, 1),
     ('tokens_per_sec', 'tokens/s', 0, 1), ('mfu_peak', 'MFU of the bf16 peak (%)', 1, 100),
+    ('mfu_peak_causal', 'MFU, causal count (%)', 1, 100),
     ('peak_gb', 'peak (GB)', 2, 1), ('compiled_gb', 'compiled (GB)', 2, 1),
     ('estimate_gpu_gb', 'GPU estimate (GB)', 2, 1), ('peak_vs_estimate', 'peak ÷ estimate', 3, 1),
     ('modelled_step_s', 'modelled step (ms)', 1, 1e3),
@@ -102,7 +103,8 @@ def markdown(results: dict) -> str:
             'One process per case (bench.train_step, random tokens, one device); GB = 1e9 bytes. '
             'Peak: the allocator\'s peak bytes in use over the process (initialisation included); '
             'compiled: XLA\'s memory analysis of the step; estimate: memory/estimate.py on a GPU. '
-            'MFU: model FLOPs (6 per weight, 4 with a frozen LoRA base, plus attention; no remat '
+            'MFU: model FLOPs (6 per weight, 4 with a frozen LoRA base, plus attention over every '
+            'pair as PaLM counts it, or over half of them by the causal count; no remat '
             'recompute) against the dense bf16 peak of configs/hardware.py, fp8 and int8 too. '
             'Modelled: plan/cost.py for the same recipe on this GPU.', '',
             '| case | status | ' + ' | '.join(h for _, h, _, _ in CASE_COLUMNS) + ' |',

@@ -38,8 +38,6 @@ the step.
 """
 import collections
 import contextlib
-import glob
-import gzip
 import io
 import json
 import os
@@ -50,9 +48,10 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from bench.gpu_kernels import (GPU_KINDS, MATMUL_KINDS, device_events, kernel_instruction,
-                               kernel_time, slowest_kernels, union_us)
+from bench.gpu_kernels import (device_events, kernel_instruction, kernel_time, print_gpu_kernels,
+                               slowest_kernels)
 from bench.hlo_ops import KINDS, REGIONS, describe_instructions
+from bench.trace import read_trace, union_us
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Traced steps (after the warm-up).')
@@ -82,24 +81,6 @@ def without_command_buffers(environ=os.environ) -> bool:
 
 
 # ---- the trace ---------------------------------------------------------------------------------
-def read_trace(directory: str) -> list[dict]:
-  """The complete ('X') events of the newest trace under `directory`, times in µs, each with
-  its thread's and its process's name (`/device:GPU:0` for a GPU's kernels)."""
-  files = sorted(glob.glob(os.path.join(directory, '**', '*.trace.json.gz'), recursive=True),
-                 key=os.path.getmtime)
-  if not files:
-    raise RuntimeError(f'jax.profiler wrote no trace under {directory}')
-  with gzip.open(files[-1]) as f:
-    events = json.load(f)['traceEvents']
-  threads = {(e['pid'], e.get('tid')): e['args']['name'] for e in events
-             if e.get('ph') == 'M' and e.get('name') == 'thread_name'}
-  processes = {e['pid']: e['args']['name'] for e in events
-               if e.get('ph') == 'M' and e.get('name') == 'process_name'}
-  return [{**e, 'thread': threads.get((e['pid'], e.get('tid')), ''),
-           'process': processes.get(e['pid'], '')}
-          for e in events if e.get('ph') == 'X' and 'dur' in e]
-
-
 def op_events(events: list[dict], described: dict) -> list[dict]:
   """Events of the program's instructions: a CPU thunk's name, or the instruction a GPU kernel
   belongs to (bench/gpu_kernels.py: its `hlo_op`, or the fusion its name was made from)."""
@@ -158,29 +139,6 @@ def memory_rates(top: list[dict], hbm: float | None = None) -> None:
     r['streaming_bytes_per_sec'] = streaming_bytes_per_sec(r['bytes'])
     if hbm:
       r['fraction_of_hbm'] = r['bytes_per_sec'] / hbm
-
-
-def print_gpu_kernels(gpu: dict) -> None:
-  """The GPU's kernels, as bench/gpu_kernels.py reads them: busy and idle time, by kind, and the
-  slowest kernels by name."""
-  if gpu['command_buffers'] is None:   # a trace read without its program (bench.gpu_kernels)
-    attributed = 'read without the program: kinds from the kernels\' names'
-  elif not gpu['command_buffers']:
-    attributed = ('every kernel named its HLO operation (command buffers off: '
-                  '--gpu_command_buffers keeps them, as a run has them)')
-  else:
-    attributed = (f'{gpu["attributed_ms"]:.1f} ms of it attributed to an HLO operation above '
-                  f'(inside a command buffer a cuBLAS or cuDNN kernel names only the buffer)')
-  print(f'  GPU kernels        {gpu["kernels"]:,.0f} per step, busy {gpu["busy"]:.1f} ms, idle '
-        f'between kernels {gpu["idle"]:.1f} ms; {attributed}')
-  print('  by kernel kind (ms per step): ' + ', '.join(
-      f'{k} {gpu["kinds"][k]:.1f}' for k in GPU_KINDS if gpu['kinds'].get(k, 0) >= 0.05))
-  matmul = sum(gpu['kinds'].get(k, 0.0) for k in MATMUL_KINDS)
-  print(f'  matmuls and attention (cuBLAS, Triton GEMM, cuDNN) {matmul:.1f} ms, '
-        f'{100 * matmul / gpu["busy"] if gpu["busy"] else 0:.0f} % of the busy time')
-  print('  slowest kernels (ms per step, launches per step):')
-  for r in gpu['slowest_kernels']:
-    print(f'    {r["ms"]:7.2f}  {r["launches"]:5.0f}  {r["kind"]:16s} {r["kernel"][:72]}')
 
 
 # ---- the two measurements ----------------------------------------------------------------------
@@ -284,6 +242,7 @@ def main(argv):
   platform, device_kind = jax.devices()[0].platform, jax.devices()[0].device_kind
   base_trains = not config.lora.rank
   analytic = s.model.flops_per_token(train.seq_len, base_trains) * tokens
+  causal = s.model.flops_per_token(train.seq_len, base_trains, causal=True) * tokens
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   hlo_flops = float(cost.get('flops', 0.0)) if cost else None
@@ -300,6 +259,8 @@ def main(argv):
       'model_flops_per_sec': achieved, 'fraction_of_matmul_rate': achieved / rate,
       'matmul_ms_rate': analytic / s.mesh.size / (matmul_ms / 1e3) if matmul_ms else None,
       'mfu_datasheet': achieved / sheet['peak_bf16'] if sheet else None,
+      'mfu_datasheet_causal': (causal / s.mesh.size / timing['step_seconds'] / sheet['peak_bf16']
+                               if sheet else None),
       'top_ops': sorted(({'op': k, 'ms': v, 'runs': split['runs'][k], **described[k]}
                          for k, v in split['ops'].items()), key=lambda r: -r['ms'])[:_TOP.value],
   }
@@ -338,7 +299,9 @@ def main(argv):
            if results['matmul_ms_rate'] else ''))
   if sheet:
     print(f'  MFU                {100 * results["mfu_datasheet"]:.1f} % of the datasheet '
-          f'{sheet["peak_bf16"] / 1e12:.0f} TFLOP/s (bf16 dense)')
+          f'{sheet["peak_bf16"] / 1e12:.0f} TFLOP/s (bf16 dense) by PaLM\'s count (every attention '
+          f'pair), {100 * results["mfu_datasheet_causal"]:.1f} % by the causal count (half the '
+          f'pairs: MaxText\'s)')
   print('  slowest operations (ms per step, all runs together):')
   for r in results['top_ops']:
     print(f'    {r["ms"]:7.2f}  {r["op"]:28s} {r["kind"]:14s} {r["region"]:9s} '

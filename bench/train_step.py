@@ -71,6 +71,7 @@ def main(argv):
   tokens_per_sec = train.batch_size * train.seq_len / seconds
   base_trains = not config.lora.rank
   flops_per_token = s.model.flops_per_token(train.seq_len, base_trains)
+  causal_flops_per_token = s.model.flops_per_token(train.seq_len, base_trains, causal=True)
   # Per device, against one device's rates.
   model_flops = flops_per_token * tokens_per_sec / s.mesh.size
   matmul_size = _MATMUL.value or (2048 if platform == 'cpu' else 8192)
@@ -91,6 +92,9 @@ def main(argv):
       'matmul_flops_per_sec': reachable, 'mfu': model_flops / reachable,
       'peak_flops_per_sec': peak_flops,
       'mfu_peak': None if peak_flops is None else model_flops / peak_flops,
+      'flops_per_token_causal': causal_flops_per_token,
+      'mfu_peak_causal': (None if peak_flops is None else
+                          causal_flops_per_token * tokens_per_sec / s.mesh.size / peak_flops),
       'peak_device_bytes': peak_bytes, 'device_bytes_limit': device_memory_limit(),
   }
   print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), '
@@ -112,7 +116,9 @@ def main(argv):
             f'({jax.__version__}): {s.policy.name} saves memory on this CPU, not time')
   print(f'  MFU                {100 * results["mfu"]:.1f} % of the measured matmul rate'
         + ('' if peak_flops is None else
-           f', {100 * results["mfu_peak"]:.1f} % of the datasheet {peak_flops / 1e12:.0f} TFLOP/s'))
+           f', {100 * results["mfu_peak"]:.1f} % of the datasheet {peak_flops / 1e12:.0f} TFLOP/s '
+           f'(PaLM\'s count: every attention pair); {100 * results["mfu_peak_causal"]:.1f} % by '
+           f'the causal count (half the pairs: MaxText\'s)'))
   compiled_bytes = memory['per_device_bytes']
   print(f'  compiled memory    {compiled_bytes["total"] / GiB:.3f} GiB per device (arguments '
         f'{compiled_bytes["arguments"] / GiB:.3f}, outputs {compiled_bytes["outputs"] / GiB:.3f}, '

@@ -164,10 +164,12 @@ class ModelConfig:
     per_layer = self.attention_params_per_layer + self.mlp_params_per_layer
     return self.num_layers * per_layer + self.vocab_size * self.d_model
 
-  def flops_per_token(self, seq_len: int, base_trains: bool = True) -> float:
+  def flops_per_token(self, seq_len: int, base_trains: bool = True, causal: bool = False) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B convention:
     6 per matmul weight, plus 12 * layers * heads * head_dim * seq_len for the attention scores.
     `base_trains=False` (LoRA: the weights are frozen): 4 per matmul weight, the forward pass and
-    the gradient of its input, with no gradient of the weight (the adapters' are negligible)."""
-    attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+    the gradient of its input, with no gradient of the weight (the adapters' are negligible).
+    `causal`: the attention counted over the positions a causal mask keeps, half of them (the
+    count MaxText reports since 2025; PaLM's counts every pair)."""
+    attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len / (2 if causal else 1)
     return (6 if base_trains else 4) * self.matmul_params + attention

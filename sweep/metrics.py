@@ -94,15 +94,17 @@ def _mfu(f: PointFiles):
   return bench['mfu'] if bench else _mfu_peak(f)
 
 
-def _mfu_peak(f: PointFiles):
-  """Against the datasheet bf16 dense peak of the device the point ran on (None: none, a CPU)."""
+def _mfu_peak(f: PointFiles, causal: bool = False):
+  """Against the datasheet bf16 dense peak of the device the point ran on (None: none, a CPU);
+  the attention counted over every pair (PaLM's count) or, `causal`, over half of them."""
   from configs.hardware import datasheet
   peak = datasheet(f.memory('device_kind') or '')
   config, tokens_per_sec, devices = f.config, _tokens_per_sec(f), _devices(f)
   if peak is None or config is None or tokens_per_sec is None or not devices:
     return None
   from train.checks import model_config
-  flops = model_config(config).flops_per_token(config.train.seq_len, not config.lora.rank)
+  flops = model_config(config).flops_per_token(config.train.seq_len, not config.lora.rank,
+                                               causal=causal)
   return flops * tokens_per_sec / devices / peak['peak_bf16']
 
 
@@ -238,7 +240,9 @@ METRICS = {
     'bits_per_byte': Metric('validation bits/byte', lambda f: _final_eval(f, 'eval_bits_per_byte'), 4),
     'tokens_per_sec': Metric('tokens/s', _tokens_per_sec, 0),
     'mfu': Metric('MFU', _mfu, 3),
-    'mfu_peak': Metric('MFU of the datasheet bf16 peak', _mfu_peak, 3),
+    'mfu_peak': Metric('MFU of the datasheet bf16 peak (PaLM count)', _mfu_peak, 3),
+    'mfu_peak_causal': Metric('MFU of the datasheet bf16 peak (causal count)',
+                              lambda f: _mfu_peak(f, causal=True), 3),
     'step_ms': Metric('step (ms)', _bench('step_seconds', 1e3), 1),
     'attention': Metric('attention', _bench('attention')),
     'peak_vs_estimate': Metric('peak ÷ GPU estimate', _peak_vs_estimate, 3),

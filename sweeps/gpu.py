@@ -76,8 +76,8 @@ def get_sweep(arg: str | None = None):
       overrides={'bench_steps': 3, 'bench_warmup': 1} if smoke else {'bench_steps': 20,
                                                                         'bench_warmup': 3},
       points=choices('case', cases(smoke)),
-      metrics=('attention', 'step_ms', 'tokens_per_sec', 'mfu_peak', 'mfu', 'peak_gb',
-               'compiled_gb', 'estimate_gpu_gb', 'peak_vs_estimate', 'modelled_step_s',
+      metrics=('attention', 'step_ms', 'tokens_per_sec', 'mfu_peak', 'mfu_peak_causal', 'mfu',
+               'peak_gb', 'compiled_gb', 'estimate_gpu_gb', 'peak_vs_estimate', 'modelled_step_s',
                'modelled_vs_measured', 'calibrated_mfu', 'params_m', 'trainable_m', 'wall_s'),
       target='H100-80GB' if smoke or arg is None else arg,
   )

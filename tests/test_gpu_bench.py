@@ -129,8 +129,12 @@ def test_the_cost_model_is_compared_with_a_step_measured_on_its_own_gpu(tmp_path
   assert METRICS['peak_vs_estimate'].read(on_h100) == pytest.approx(1.1)
   flops = cfg.flops_per_token(train.seq_len) * train.batch_size * train.seq_len / measured
   assert METRICS['mfu_peak'].read(on_h100) == pytest.approx(flops / GPUS['H100-80GB']['peak_bf16'])
+  causal = cfg.flops_per_token(train.seq_len, causal=True) * train.batch_size * train.seq_len / measured
+  assert METRICS['mfu_peak_causal'].read(on_h100) == pytest.approx(
+      causal / GPUS['H100-80GB']['peak_bf16'])
+  assert METRICS['mfu_peak_causal'].read(on_h100) < METRICS['mfu_peak'].read(on_h100)
   on_cpu = _bench_point(tmp_path, 'cpu', config, measured)
-  for metric in ('modelled_vs_measured', 'calibrated_mfu', 'mfu_peak'):
+  for metric in ('modelled_vs_measured', 'calibrated_mfu', 'mfu_peak', 'mfu_peak_causal'):
     assert METRICS[metric].read(on_cpu) is None
 
 

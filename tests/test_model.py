@@ -95,6 +95,8 @@ def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
   matmul = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   matmul += cfg.vocab_size * cfg.d_model
   assert cfg.flops_per_token(64) == 6 * matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64
+  # The causal count (MaxText's): half the attention pairs, the weights' FLOPs unchanged.
+  assert cfg.flops_per_token(64, causal=True) == 6 * matmul + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64
 
 
 @pytest.mark.parametrize('remat', ['full', 'dots', 'qkv'])

@@ -82,7 +82,7 @@ def _gpu_kernels(tmp_path):
   import shutil
 
   from bench.gpu_kernels import device_events
-  from bench.profile import read_trace
+  from bench.trace import read_trace
   shutil.copy(GPU_TRACE, tmp_path / 'vm.trace.json.gz')
   return device_events(read_trace(str(tmp_path)))
 
