@@ -8,15 +8,20 @@ cuBLAS, `cudnn_*` for cuDNN). So every kernel gets its kind from its name, and t
 belongs to where the trace or its name says (bench/profile.py turns command buffers off on a GPU so
 that all of them do).
 
-Defines no flags: tests and other benchmarks import it. Run, it reads a trace already recorded
+Defines no flags: tests and other benchmarks import it. `without_command_buffers` turns XLA's
+command buffers off before a backend starts, for a profile whose every kernel names its operation. Run, it reads a trace already recorded
 (`bench.profile --trace_dir=DIR` on a GPU, or any `jax.profiler` trace of one):
 
   python -m bench.gpu_kernels DIR --steps=2      # the steps the trace holds
 """
 import argparse
+import os
 import re
 
+import jax
+
 from bench.trace import read_trace, union_us
+from parallel import xla_flags
 
 # What a kernel is, read from its name; in the order the profile prints them.
 GPU_KINDS = ('cuBLAS GEMM', 'cuBLAS GEMM fp32', 'Triton GEMM', 'cuDNN', 'loop fusion',
@@ -38,6 +43,22 @@ _KIND_PATTERNS = (
     ('reduction fusion', r'^input_|reduce'),
     ('loop fusion', r'^(loop_|wrapped_|fusion)'),
 )
+
+
+# XLA's flag that lists what command buffers capture: empty, nothing is captured.
+NO_COMMAND_BUFFERS = (('xla_gpu_enable_command_buffer', ''),)
+
+
+def without_command_buffers(environ=os.environ) -> bool:
+  """Before JAX starts a backend: command buffers off where JAX will run on a CUDA GPU (a flag the
+  user's XLA_FLAGS already sets is kept). Whether they were turned off."""
+  if not xla_flags.cuda_expected(jax.config.jax_platforms, environ):
+    return False
+  environ['XLA_FLAGS'], added = xla_flags.merged(environ.get('XLA_FLAGS', ''), NO_COMMAND_BUFFERS)
+  return bool(added)
+
+
+# ---- the trace ---------------------------------------------------------------------------------
 
 
 def kernel_kind(name: str) -> str:

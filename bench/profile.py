@@ -49,7 +49,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from bench.gpu_kernels import (device_events, kernel_instruction, kernel_time, print_gpu_kernels,
-                               slowest_kernels)
+                               slowest_kernels, without_command_buffers)
 from bench.hlo_ops import KINDS, REGIONS, describe_instructions
 from bench.trace import read_trace, union_us
 
@@ -66,21 +66,6 @@ _COMMAND_BUFFERS = flags.DEFINE_bool(
     'has them; by default they are off, so that every kernel names the HLO operation it runs for '
     '(inside one, a cuBLAS or cuDNN kernel names only the command buffer).')
 
-# XLA's flag that lists what command buffers capture: empty, nothing is captured.
-NO_COMMAND_BUFFERS = (('xla_gpu_enable_command_buffer', ''),)
-
-
-def without_command_buffers(environ=os.environ) -> bool:
-  """Before JAX starts a backend: command buffers off where JAX will run on a CUDA GPU (a flag the
-  user's XLA_FLAGS already sets is kept). Whether they were turned off."""
-  from parallel import xla_flags
-  if not xla_flags.cuda_expected(jax.config.jax_platforms, environ):
-    return False
-  environ['XLA_FLAGS'], added = xla_flags.merged(environ.get('XLA_FLAGS', ''), NO_COMMAND_BUFFERS)
-  return bool(added)
-
-
-# ---- the trace ---------------------------------------------------------------------------------
 def op_events(events: list[dict], described: dict) -> list[dict]:
   """Events of the program's instructions: a CPU thunk's name, or the instruction a GPU kernel
   belongs to (bench/gpu_kernels.py: its `hlo_op`, or the fusion its name was made from)."""

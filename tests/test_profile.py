@@ -131,14 +131,14 @@ def test_a_kernel_is_attributed_to_its_hlo_operation():
 def test_the_gpu_profile_turns_command_buffers_off_only_on_a_gpu(monkeypatch):
   """On a CUDA GPU the profile asks XLA for no command buffers (a user's own setting kept); on any
   other backend XLA_FLAGS is left alone."""
-  from bench import profile
+  from bench import gpu_kernels
   from parallel import xla_flags
   environ = {'XLA_FLAGS': '--xla_dump_to=/tmp/x'}
   monkeypatch.setattr(xla_flags, 'cuda_expected', lambda platforms, environ: False)
-  assert not profile.without_command_buffers(environ) and environ['XLA_FLAGS'] == '--xla_dump_to=/tmp/x'
+  assert not gpu_kernels.without_command_buffers(environ) and environ['XLA_FLAGS'] == '--xla_dump_to=/tmp/x'
   monkeypatch.setattr(xla_flags, 'cuda_expected', lambda platforms, environ: True)
-  assert profile.without_command_buffers(environ)
+  assert gpu_kernels.without_command_buffers(environ)
   assert environ['XLA_FLAGS'] == '--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer='
   mine = {'XLA_FLAGS': '--xla_gpu_enable_command_buffer=FUSION'}
-  assert not profile.without_command_buffers(mine)
+  assert not gpu_kernels.without_command_buffers(mine)
   assert mine['XLA_FLAGS'] == '--xla_gpu_enable_command_buffer=FUSION'
