@@ -9,8 +9,9 @@ belongs to where the trace or its name says (bench/profile.py turns command buff
 that all of them do).
 
 Defines no flags: tests and other benchmarks import it. `without_command_buffers` turns XLA's
-command buffers off before a backend starts, for a profile whose every kernel names its operation. Run, it reads a trace already recorded
-(`bench.profile --trace_dir=DIR` on a GPU, or any `jax.profiler` trace of one):
+command buffers off before a backend starts, for a profile whose every kernel names its operation.
+Run, it reads a trace already recorded (`bench.profile --trace_dir=DIR` on a GPU, or any
+`jax.profiler` trace of one):
 
   python -m bench.gpu_kernels DIR --steps=2      # the steps the trace holds
 """
@@ -56,9 +57,6 @@ def without_command_buffers(environ=os.environ) -> bool:
     return False
   environ['XLA_FLAGS'], added = xla_flags.merged(environ.get('XLA_FLAGS', ''), NO_COMMAND_BUFFERS)
   return bool(added)
-
-
-# ---- the trace ---------------------------------------------------------------------------------
 
 
 def kernel_kind(name: str) -> str:

@@ -66,6 +66,8 @@ _COMMAND_BUFFERS = flags.DEFINE_bool(
     'has them; by default they are off, so that every kernel names the HLO operation it runs for '
     '(inside one, a cuBLAS or cuDNN kernel names only the command buffer).')
 
+
+# ---- the trace ---------------------------------------------------------------------------------
 def op_events(events: list[dict], described: dict) -> list[dict]:
   """Events of the program's instructions: a CPU thunk's name, or the instruction a GPU kernel
   belongs to (bench/gpu_kernels.py: its `hlo_op`, or the fusion its name was made from)."""
