@@ -6,9 +6,16 @@ a tied or untied head, next-token cross-entropy, AdamW with global-norm clipping
 researcher writes in PyTorch in an afternoon. `torch` is a test-only requirement; only
 bench/versus.py imports this file, in a process of its own.
 
-`precision`: 'fp32' (everything fp32) or 'bf16' (weights, activations and Adam's moments in bf16,
+`precision`: 'fp32' (everything fp32), 'bf16' (weights, activations and Adam's moments in bf16,
 as `model.to(torch.bfloat16)` gives; PyTorch's CPU matmuls run bf16 natively where the CPU has
-AVX512_BF16 or AMX).
+AVX512_BF16 or AMX) or 'bf16_mixed' (fp32 weights and Adam, the forward under
+`torch.autocast(dtype=torch.bfloat16)`: bf16 matmuls and attention, fp32 norms, softmax and loss;
+our `bf16_mixed`).
+
+`device`: 'cpu' or 'cuda'; on CUDA AdamW runs fused (`fused=True`, one kernel for the update),
+as torchtitan's does. `compiled`: the forward and the loss under `torch.compile` (Inductor fuses
+the norms, RoPE, SwiGLU and the cross-entropy; the backward is compiled with them), the optimizer
+and the clipping eager, as torchtitan compiles its model.
 """
 import math
 import time
@@ -97,37 +104,59 @@ class Transformer(nn.Module):
     return F.linear(x, weight).float()   # fp32 logits, as ours
 
 
+PRECISIONS = ('fp32', 'bf16', 'bf16_mixed')
+DEVICES = ('cpu', 'cuda')
+
+
+def next_token_loss(model: Transformer, tokens, vocab_size: int, autocast_device: str | None):
+  """The mean cross-entropy of each next token; the forward under bf16 autocast where
+  `autocast_device` names its device (the logits are fp32 either way: `Transformer.forward`)."""
+  with torch.autocast(autocast_device or 'cpu', dtype=torch.bfloat16,
+                      enabled=autocast_device is not None):
+    logits = model(tokens[:, :-1])
+  return F.cross_entropy(logits.view(-1, vocab_size), tokens[:, 1:].reshape(-1))
+
+
 class Trainer:
   """One model, its optimizer and a batch stream; `run(n)` trains n steps and returns the seconds."""
 
-  def __init__(self, s: dict, threads: int):
+  def __init__(self, s: dict, threads: int, device: str = 'cpu', compiled: bool = False):
+    if s['precision'] not in PRECISIONS:
+      raise ValueError(f'precision={s["precision"]!r}; the PyTorch loop runs '
+                       f'{", ".join(PRECISIONS)}')
+    if device not in DEVICES:
+      raise ValueError(f'device={device!r}; the PyTorch loop runs on {" or ".join(DEVICES)}')
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    self.s = s
-    self.model = Transformer(s)
+    self.s, self.device = s, torch.device(device)
+    self.model = Transformer(s).to(self.device)
     if s['precision'] == 'bf16':
       self.model = self.model.to(torch.bfloat16)
-    elif s['precision'] != 'fp32':
-      raise ValueError(f'precision={s["precision"]!r}; the PyTorch loop runs fp32 or bf16')
     self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95),
-                                       weight_decay=0.1)
-    self.generator = torch.Generator().manual_seed(0)
+                                       weight_decay=0.1, fused=device == 'cuda' or None)
+    autocast_device = device if s['precision'] == 'bf16_mixed' else None
+    loss_of = lambda tokens: next_token_loss(self.model, tokens, s['vocab_size'], autocast_device)
+    self.loss_of = torch.compile(loss_of) if compiled else loss_of
+    self.generator = torch.Generator(self.device).manual_seed(0)
+    self.last_loss = None
     self.loss = math.nan
 
   def step(self) -> None:
     s = self.s
     tokens = torch.randint(0, s['vocab_size'], (s['batch_size'], s['seq_len'] + 1),
-                           generator=self.generator)
-    logits = self.model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.view(-1, s['vocab_size']), tokens[:, 1:].reshape(-1))
+                           generator=self.generator, device=self.device)
+    loss = self.loss_of(tokens)
     self.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
     self.optimizer.step()
-    self.loss = loss.item()   # as a user's loop logs it: one read per step
+    self.last_loss = loss.detach()
 
   def run(self, steps: int) -> float:
+    """Seconds for `steps` steps, the device's queue drained; the loss is read once at the end, as
+    a loop reads it when it logs (a read every step would stall a GPU's queue each step)."""
     start = time.perf_counter()
     for _ in range(steps):
       self.step()
+    self.loss = self.last_loss.item()
     return time.perf_counter() - start

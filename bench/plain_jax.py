@@ -3,8 +3,9 @@ JAX and optax in an afternoon (parameters in a dict, layers in a Python loop,
 `jax.nn.dot_product_attention`, `optax.adamw` with clipping, one jitted step), with none of this
 project's machinery (no scan, no sharding rules, no skip of non-finite steps, no data pipeline).
 
-`precision`: 'fp32', or 'bf16' (parameters, activations and Adam's moments in bf16, as the
-PyTorch loop's `model.to(torch.bfloat16)`).
+`precision`: 'fp32', 'bf16' (parameters, activations and Adam's moments in bf16, as the
+PyTorch loop's `model.to(torch.bfloat16)`) or 'bf16_mixed' (fp32 parameters and Adam, the
+parameters cast to bf16 for the forward: what a JAX user writes for the PyTorch loop's autocast).
 """
 import time
 
@@ -39,7 +40,12 @@ def apply_rope(x, cos, sin):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+PRECISIONS = ('fp32', 'bf16', 'bf16_mixed')
+
+
 def loss_fn(params, tokens, s):
+  if s['precision'] == 'bf16_mixed':
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
   b, t = tokens.shape[0], tokens.shape[1] - 1
   h, kv, hd = s['num_heads'], s['num_kv_heads'], s['head_dim']
   inv_freq = 10000.0 ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)
@@ -65,8 +71,9 @@ class Trainer:
   """The model, its optimizer and a batch stream; `run(n)` trains n steps and returns the seconds."""
 
   def __init__(self, s: dict):
-    if s['precision'] not in ('fp32', 'bf16'):
-      raise ValueError(f'precision={s["precision"]!r}; the plain JAX step runs fp32 or bf16')
+    if s['precision'] not in PRECISIONS:
+      raise ValueError(f'precision={s["precision"]!r}; the plain JAX step runs '
+                       f'{", ".join(PRECISIONS)}')
     self.s = s
     self.params = init(s, jnp.bfloat16 if s['precision'] == 'bf16' else jnp.float32)
     self.tx = optax.chain(optax.clip_by_global_norm(1.0),

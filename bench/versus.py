@@ -1,24 +1,31 @@
 """Ours against the yardsticks, side by side in one command: the same decoder trained by
 
-- `torch`: a plain PyTorch eager loop (bench/eager_torch.py, 2 threads unless --torch_threads);
+- `torch`: a plain PyTorch eager loop (bench/eager_torch.py; on the CPU with 2 threads unless
+  --torch_threads, on CUDA where torch sees a GPU);
+- `torch_compile`: the same loop with its forward and loss under `torch.compile`;
 - `plain_jax`: plain JAX + optax written without care (bench/plain_jax.py): the floor;
 - `ours_step`: our compiled train step alone, on batches already on the device (what
   `bench.train_step` times);
 - `ours_loop`: our real training loop, `python main.py` (data pipeline, logging, non-finite checks;
   tokens/s from the run's metrics.jsonl, which leaves out evaluations and checkpoint saves).
 
-Each program runs in a process of its own, compiled and warmed up once; rounds are interleaved (every
-program in turn, `--rounds` times, pausing between them so no program's idle threads spin into the
-next) and each program's best round is reported, with its ratio to PyTorch's and to plain JAX's.
-`ours_loop` starts main.py anew each round (its compile is outside the timed interval).
+Each program runs in a process of its own, compiled and warmed up once; on the CPU rounds are
+interleaved (every program in turn, `--rounds` times, pausing between them so no program's idle
+threads spin into the next). On a GPU the programs run one at a time (each process's rounds, then
+the next process): two 1b trainings do not fit one GPU's memory side by side. Each program's best
+round is reported, with its ratio to the others'. `ours_loop` starts main.py anew each round (its
+compile is outside the timed interval).
 
   python -m bench.versus                                   # the issue-29 shape, fp32
   python -m bench.versus --shape=small --precision=bf16    # the default preset's shape, bf16
   python -m bench.versus --programs=torch,ours_step --out=versus.json
+  python -m bench.versus --shape=1b --precision=bf16_mixed --programs=torch,torch_compile,ours_step \
+      --ours=model.remat=none --steps=10 --warmup=3 --rounds=2    # issue 47, on one GPU
 
 `--precision=bf16` is pure bf16 everywhere (PyTorch's `model.to(torch.bfloat16)`; ours
-precision=bf16); `--ours_precision=bf16_mixed` times ours in another precision beside it. Our rows
-are plain causal (data.packing=False), as the other programs' are, unless --packing.
+precision=bf16); `bf16_mixed` is fp32 weights and Adam with bf16 compute everywhere (PyTorch's
+autocast); `--ours_precision=bf16_mixed` times ours in another precision beside it. Our rows are
+plain causal (data.packing=False), as the other programs' are, unless --packing.
 """
 import json
 import os
@@ -29,20 +36,23 @@ import time
 
 from absl import app, flags
 
-from bench.measure import SHAPES
+from bench.measure import SHAPES, our_config, our_overrides
 
-PROGRAMS = ('torch', 'plain_jax', 'ours_step', 'ours_loop')
-MODEL_KEYS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
-              'mlp_dim', 'tie_embeddings')
-
+PROGRAMS = ('torch', 'torch_compile', 'plain_jax', 'ours_step', 'ours_loop')
 _SHAPE = flags.DEFINE_enum('shape', 'issue', list(SHAPES), 'Model and batch shape.')
-_PRECISION = flags.DEFINE_enum('precision', 'fp32', ['fp32', 'bf16'], 'fp32, or pure bf16.')
+_PRECISION = flags.DEFINE_enum('precision', 'fp32', ['fp32', 'bf16', 'bf16_mixed'],
+                               'fp32, pure bf16, or bf16 compute over fp32 weights.')
 _OURS_PRECISION = flags.DEFINE_string('ours_precision', None, 'Our precision (default: --precision).')
 _PROGRAMS = flags.DEFINE_list('programs', list(PROGRAMS), f'Any of {", ".join(PROGRAMS)}.')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Interleaved rounds; each program\'s best is reported.')
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per program per round.')
 _WARMUP = flags.DEFINE_integer('warmup', 5, 'Untimed steps once, after the compile.')
 _TORCH_THREADS = flags.DEFINE_integer('torch_threads', 2, 'torch.set_num_threads.')
+_TORCH_DEVICE = flags.DEFINE_enum('torch_device', 'auto', ['auto', 'cpu', 'cuda'],
+                                  'Where PyTorch runs; auto: CUDA where torch sees a GPU.')
+_ORDER = flags.DEFINE_enum('order', 'auto', ['auto', 'interleaved', 'one_at_a_time'],
+                           'Rounds of every program in turn, or each program\'s rounds at once; '
+                           'auto: one at a time on a GPU.')
 _PACKING = flags.DEFINE_bool('packing', False, 'Our rows packed (segment ids), as main.py by default.')
 _ATTENTION = flags.DEFINE_string('attention', 'auto', 'Our model.attention.')
 _OVERRIDES = flags.DEFINE_multi_string('ours', [], 'More overrides of ours, key=value (e.g. '
@@ -50,27 +60,6 @@ _OVERRIDES = flags.DEFINE_multi_string('ours', [], 'More overrides of ours, key=
 _OUT = flags.DEFINE_string('out', None, 'Also write the results as JSON to this file.')
 _WORKER = flags.DEFINE_string('worker', None, 'Internal: run as this program\'s worker process.')
 _SPEC = flags.DEFINE_string('spec', None, 'Internal: the worker\'s shape, as JSON.')
-
-
-def our_overrides(spec: dict) -> list[str]:
-  """--config.* flags that make configs/default.py:small the compared model and batch."""
-  flags_ = [f'--config.model.{k}={spec[k]}' for k in MODEL_KEYS]
-  flags_ += [f'--config.train.batch_size={spec["batch_size"]}',
-             f'--config.train.seq_len={spec["seq_len"]}',
-             f'--config.precision={spec["ours_precision"]}',
-             f'--config.data.packing={spec["packing"]}',
-             f'--config.model.attention={spec["attention"]}']
-  return flags_ + [f'--config.{o}' for o in spec['overrides']]
-
-
-def typed(config, key: str, text: str):
-  """`text` as the type of the config value at dotted `key` (as a --config.key=text flag parses it)."""
-  node = config
-  for part in key.split('.'):
-    node = node[part]
-  if isinstance(node, bool):
-    return text == 'True'
-  return type(node)(text)
 
 
 # ---- the workers: one program each, compiled and warmed up once, then `run N` on request ----------
@@ -81,15 +70,10 @@ class OurStep:
     import jax
     import numpy as np
 
-    import configs
-    from configs.default import override
     from data.windows import batch_keys
     from train import init_from
     from train.run import compile_train_step, setup
-    config = configs.load('configs/default.py:small')
-    for flag in our_overrides(spec):
-      key, value = flag[len('--config.'):].split('=', 1)
-      override(config, key, typed(config, key, value))
+    config = our_config(spec)
     self.jax = jax
     s = setup(config, devices=jax.devices()[:1])
     self.compiled = compile_train_step(s)
@@ -114,15 +98,16 @@ class OurStep:
 
 
 def make_worker(name: str, spec: dict):
-  if name == 'torch':
+  if name in ('torch', 'torch_compile'):
     from bench import eager_torch
-    return eager_torch.Trainer(spec, spec['torch_threads'])
+    return eager_torch.Trainer(spec, spec['torch_threads'], spec['torch_device'],
+                               compiled=name == 'torch_compile')
   if name == 'plain_jax':
     from bench import plain_jax
     return plain_jax.Trainer(spec)
   if name == 'ours_step':
     return OurStep(spec)
-  raise app.UsageError(f'--worker={name!r}; allowed: torch, plain_jax, ours_step')
+  raise app.UsageError(f'--worker={name!r}; allowed: torch, torch_compile, plain_jax, ours_step')
 
 
 def serve(name: str, spec: dict) -> None:
@@ -198,6 +183,46 @@ class OurLoop:
     pass
 
 
+def torch_device(asked: str, programs: list[str]) -> str:
+  """`--torch_device` resolved: auto is CUDA where torch sees a GPU (asked only if a PyTorch
+  program runs: importing torch takes seconds)."""
+  if asked != 'auto' or not {'torch', 'torch_compile'} & set(programs):
+    return 'cpu' if asked == 'auto' else asked
+  import torch
+  return 'cuda' if torch.cuda.is_available() else 'cpu'
+
+
+def on_accelerator() -> bool:
+  """Whether JAX's default backend here is an accelerator (asked in a child process: this one
+  must not hold the device's memory its workers need)."""
+  from bench.gpu import probe_device
+  return probe_device()['platform'] != 'cpu'
+
+
+def timed_rounds(starts: dict, rounds: int, steps: int, one_at_a_time: bool):
+  """{program: [seconds of each round]}, {program: its last loss}; `starts` maps each program to a
+  function that starts its worker. Interleaved: every worker alive at once, each round every
+  program in turn; one at a time: a program's worker started, its rounds, closed, then the next."""
+  seconds = {name: [] for name in starts}
+  losses = {}
+  groups = [[name] for name in starts] if one_at_a_time else [list(starts)]
+  for group in groups:
+    alive = {}
+    try:
+      for name in group:
+        alive[name] = starts[name]()
+      for _ in range(rounds):
+        for name, worker in alive.items():
+          time.sleep(1.0)   # idle threads of the previous program stop spinning
+          answer = worker.run(steps)
+          seconds[name].append(answer['seconds'])
+          losses[name] = answer['loss']
+    finally:
+      for worker in alive.values():
+        worker.close()
+  return seconds, losses
+
+
 def main(argv):
   del argv
   if _WORKER.value:
@@ -208,36 +233,30 @@ def main(argv):
   spec = {**SHAPES[_SHAPE.value], 'precision': _PRECISION.value,
           'ours_precision': _OURS_PRECISION.value or _PRECISION.value, 'packing': _PACKING.value,
           'attention': _ATTENTION.value, 'overrides': _OVERRIDES.value,
-          'warmup': _WARMUP.value, 'torch_threads': _TORCH_THREADS.value}
+          'warmup': _WARMUP.value, 'torch_threads': _TORCH_THREADS.value,
+          'torch_device': torch_device(_TORCH_DEVICE.value, _PROGRAMS.value)}
+  one_at_a_time = (_ORDER.value == 'one_at_a_time' or
+                   (_ORDER.value == 'auto' and on_accelerator()))
   tokens = spec['batch_size'] * spec['seq_len']
   with tempfile.TemporaryDirectory() as scratch:
-    workers = {name: OurLoop(spec, scratch) if name == 'ours_loop' else Worker(name, spec)
-               for name in _PROGRAMS.value}
-    rates = {name: [] for name in workers}
-    losses = {}
-    try:
-      for _ in range(_ROUNDS.value):
-        for name, worker in workers.items():
-          time.sleep(1.0)   # idle threads of the previous program stop spinning
-          answer = worker.run(_STEPS.value)
-          rates[name].append(_STEPS.value * tokens / answer['seconds'])
-          losses[name] = answer['loss']
-    finally:
-      for worker in workers.values():
-        worker.close()
+    starts = {name: (lambda: OurLoop(spec, scratch)) if name == 'ours_loop' else
+              (lambda name=name: Worker(name, spec)) for name in _PROGRAMS.value}
+    seconds, losses = timed_rounds(starts, _ROUNDS.value, _STEPS.value, one_at_a_time)
+  rates = {name: [_STEPS.value * tokens / s for s in runs] for name, runs in seconds.items()}
   best = {name: max(r) for name, r in rates.items()}
   print(f'{_SHAPE.value} shape ({", ".join(f"{k} {v}" for k, v in SHAPES[_SHAPE.value].items())}), '
-        f'{spec["precision"]} (ours {spec["ours_precision"]}), {_STEPS.value} steps x '
-        f'{_ROUNDS.value} interleaved rounds, best round:')
+        f'{spec["precision"]} (ours {spec["ours_precision"]}), PyTorch on {spec["torch_device"]}, '
+        f'{_STEPS.value} steps x {_ROUNDS.value} '
+        f'{"rounds one program at a time" if one_at_a_time else "interleaved rounds"}, best round:')
   for name, rate in best.items():
-    ratios = [f'{rate / best[ref]:.2f}x {ref}' for ref in ('torch', 'plain_jax')
+    ratios = [f'{rate / best[ref]:.2f}x {ref}' for ref in ('torch', 'torch_compile', 'plain_jax')
               if ref in best and ref != name]
-    print(f'  {name:10s} {rate:9,.0f} tokens/s  (rounds: '
+    print(f'  {name:13s} {rate:9,.0f} tokens/s  {1e3 * tokens / rate:8.1f} ms/step  (rounds: '
           f'{", ".join(f"{r:,.0f}" for r in rates[name])})  {"  ".join(ratios)}')
   if _OUT.value:
     with open(_OUT.value, 'w') as f:
       json.dump({'spec': spec, 'steps': _STEPS.value, 'rounds': rates, 'best_tokens_per_sec': best,
-                 'losses': losses}, f, indent=2)
+                 'losses': losses, 'one_at_a_time': one_at_a_time}, f, indent=2)
 
 
 if __name__ == '__main__':
