@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue 47's measurements on one GPU in one call of at most 8 minutes, most wanted first; a
+# part that would start with under 30 s left is skipped and says so. Results (logs, JSON, and
+# summary.md) go to $OUT (the device tool's folder), or runs/issue47-gpu.
+#
+#   bash bench/gpu_issue47.sh [BUDGET_S]     # default 420 s of measuring
+#   bash bench/gpu_issue47.sh 60 --smoke     # the plumbing on a CPU: tiny shapes, 2 steps
+#
+# 1. versus: ours (1b, bf16_mixed, remat none) against the same model's PyTorch loop under
+#    torch.compile (bf16 autocast over fp32 weights, fused AdamW), one program at a time.
+# 2. profile: where our 1b step's time goes on the GPU, kernel by kernel (command buffers off).
+# 3. fp8 with current and with delayed scaling against bf16, remat dots (the GPU suite's shape).
+# 4. bf16_master with the optimizer in host memory against without.
+# On a lent machine (Python 3.12, jax 0.11) the packages its image lacks travel as wheels in
+# .whl/ (WORKSPACE.md, "The GPU suite"): the device call carries `.whl`.
+set -u
+BUDGET=${1:-420}
+SMOKE=${2:-}
+OUT=${OUT:-runs/issue47-gpu}
+mkdir -p "$OUT"
+START=$SECONDS
+if ! python3 -c 'import ml_collections, grain, qwix, tensorboardX, portpicker' 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3
+
+if [ "$SMOKE" = --smoke ]; then
+  PRESET=configs/default.py:tiny; SHAPE=small; ROWS=8; LENGTH=64; STEPS=2; WARMUP=1
+else
+  PRESET=configs/default.py:1b; SHAPE=1b; ROWS=8; LENGTH=2048; STEPS=10; WARMUP=3
+fi
+ONE="--config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1 \
+--config.parallel.zero_stage=0 --config.train.microbatches=1 --config.data.packing=False \
+--config.train.batch_size=$ROWS --config.train.seq_len=$LENGTH"
+
+# part NAME LIMIT_S COMMAND...: runs COMMAND with its output in $OUT/NAME.log, for at most LIMIT_S
+# or what is left of the budget.
+part() {
+  local name=$1 limit=$2 left
+  shift 2
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 30 ]; then
+    echo "=== $name: not run, $left s of the budget left" | tee "$OUT/$name.log"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (at most $limit s): $*"
+  local begin=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "exit $? after $((SECONDS - begin)) s"
+  tail -n 12 "$OUT/$name.log"
+}
+
+step() {   # step NAME LIMIT_S OVERRIDES...: bench.train_step of the preset at the issue's shape
+  local name=$1 limit=$2
+  shift 2
+  part "$name" "$limit" python3 -m bench.train_step --config=$PRESET $ONE "$@" \
+    --steps=$STEPS --warmup=$WARMUP --out="$OUT/$name.json"
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/device.txt" 2>&1
+python3 -c 'import jax, sys; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())' \
+  >> "$OUT/device.txt" 2>&1
+python3 -c 'import torch; print("torch", torch.__version__)' >> "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+part versus 170 python3 -m bench.versus --shape=$SHAPE --precision=bf16_mixed \
+  --programs=torch_compile,ours_step --ours=model.remat=none --steps=$STEPS --warmup=$WARMUP \
+  --rounds=2 --out="$OUT/versus.json"
+part profile 80 python3 -m bench.profile --config=$PRESET $ONE --config.precision=bf16_mixed \
+  --config.model.remat=none --steps=2 --warmup=2 --noloop --out="$OUT/profile.json"
+step bf16_dots 60 --config.precision=bf16_mixed --config.model.remat=dots
+step fp8_dots 100 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
+step fp8_delayed_dots 70 --config.precision=bf16_mixed --config.model.remat=dots \
+  --config.quant.mode=fp8 --config.quant.fp8_scaling=delayed
+step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
+step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
+  --config.parallel.offload_optimizer=True
+
+python3 - "$OUT" << 'EOF' | tee "$OUT/summary.md"
+"""The issue's goals from what the parts wrote (a part not run leaves its row empty)."""
+import json, os, sys
+out = sys.argv[1]
+def read(name):
+  path = os.path.join(out, name + '.json')
+  return json.load(open(path)) if os.path.exists(path) else None
+rate = lambda name: (read(name) or {}).get('tokens_per_sec')
+versus = read('versus') or {}
+best = versus.get('best_tokens_per_sec', {})
+def ratio(a, b):
+  return f'{a / b:.3f}' if a and b else 'not measured'
+def pair(a, b):
+  return ' against '.join(f'{x:,.0f}' if x else '-' for x in (a, b)) + ' tokens/s'
+rows = [('ours >= 1.0x torch.compile (1b, bf16_mixed)', best.get('ours_step'), best.get('torch_compile')),
+        ('fp8 delayed >= 0.95x fp8 current', rate('fp8_delayed_dots'), rate('fp8_dots')),
+        ('fp8 >= 1.15x bf16', rate('fp8_dots'), rate('bf16_dots')),
+        ('offloaded step <= 1.5x the step without (ratio: its step / the step without)',
+         rate('master_dots'), rate('master_offload_dots'))]
+print('| goal | measured | ratio |\n|---|---|---:|')
+for goal, a, b in rows:
+  print(f'| {goal} | {pair(a, b)} | {ratio(a, b)} |')
+EOF
+echo "done in $((SECONDS - START)) s"
