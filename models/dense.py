@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.loss import head_gradient_rounded
 from precision.policy import Policy
 from quant import fp8, lsq
 from quant.matmul import quantized_dot
@@ -89,7 +90,7 @@ class Dense(nnx.Module):
       kernel = self.kernel[...].astype(dtype)
     x = x.astype(dtype)
     y = quantized_dot(x, kernel, len(self.in_features), self.policy.matmul, layer_state,
-                      self.out_dtype)
+                      self.out_dtype, self.out_dtype is not None and head_gradient_rounded(dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:

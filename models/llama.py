@@ -23,11 +23,12 @@ from models.context import from_zigzag, sequence_shards, to_zigzag, zigzag_order
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
 from models.layers import Block, make_norm, rope_tables
-from models.attention import compile_platform
-from models.loss import logits_16bit_gradient, token_losses
+from models.loss import head_gradient_rounded, token_losses
 from precision.policy import Policy
-from quant.contraction import DENSE_OUTPUT
+from quant.contraction import DENSE_OUTPUT, wide_product
 
+# The tied head's product, hidden [batch, n, d_model] against the table [vocab, d_model].
+TIED_HEAD_DIMS = (((2,), (1,)), ((), ()))
 _TO_HOST = dict(offload_src='device', offload_dst='pinned_host')
 # The block's input, which the backward pass recomputes the block from: the scan keeps it per
 # layer on the device under `full`; the offload policies keep it in host memory instead.
@@ -337,11 +338,8 @@ class Transformer(nnx.Module):
     if self.cfg.tie_embeddings:
       table = weights.astype(dtype)
       project = lambda x: jnp.einsum('bld,vd->blv', x, table, preferred_element_type=jnp.float32)
-      # Off the CPU the backward's two products take the logits' gradient in the compute dtype
-      # (models/loss.py). XLA:CPU of jax 0.10 runs bf16 products in fp32 whatever their operands,
-      # so the CPU keeps the plain product's program.
-      if compile_platform() != 'cpu' and jnp.dtype(dtype) != jnp.float32:
-        project = lambda x: logits_16bit_gradient(x, table)
+      if head_gradient_rounded(dtype):
+        project = lambda x: wide_product(x, table, TIED_HEAD_DIMS)
     else:
       graphdef = nnx.graphdef(self.head)
       project = lambda x: nnx.merge(graphdef, weights)(x, call)

@@ -13,33 +13,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models.attention import compile_platform
 from models.hints import shards
 
 
-@jax.custom_vjp
-def logits_16bit_gradient(x: jax.Array, table: jax.Array) -> jax.Array:
-  """fp32 logits [batch, n, vocab] of hidden states `x` [batch, n, d_model] against `table`
-  [vocab, d_model], both in the compute dtype: the product accumulates in fp32 and the logits are
-  not rounded. Its backward rounds the logits' gradient to the compute dtype first, so that both of
-  its products run on 16-bit operands with fp32 accumulation, as under PyTorch's autocast (whose
-  logits are 16-bit, upcast for the loss). Differentiated as a plain product, the fp32 gradient
-  makes both products fp32 GEMMs: on a GPU, TF32 at best (19 % of the 1b step on an H200)."""
-  return jnp.einsum('bld,vd->blv', x, table, preferred_element_type=jnp.float32)
-
-
-def _logits_forward(x, table):
-  return logits_16bit_gradient(x, table), (x, table)
-
-
-def _logits_backward(saved, g):
-  x, table = saved
-  g = g.astype(x.dtype)
-  dx = jnp.einsum('blv,vd->bld', g, table, preferred_element_type=jnp.float32)
-  dtable = jnp.einsum('blv,bld->vd', g, x, preferred_element_type=jnp.float32)
-  return dx.astype(x.dtype), dtable.astype(table.dtype)
-
-
-logits_16bit_gradient.defvjp(_logits_forward, _logits_backward)
+def head_gradient_rounded(compute_dtype) -> bool:
+  """Whether the head's backward takes the logits' gradient in the 16-bit compute dtype
+  (quant/contraction.py:wide_product) rather than autodiff's fp32: off the CPU. XLA:CPU of jax 0.10
+  runs bf16 products in fp32 whatever their operands, so the CPU keeps the plain product's program
+  (and every figure calibrated on it)."""
+  return compile_platform() != 'cpu' and jnp.dtype(compute_dtype) != jnp.float32
 
 
 @jax.named_scope('loss')

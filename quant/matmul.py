@@ -87,11 +87,12 @@ _PRODUCTS = {
 
 
 def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
-                  layer_state: jax.Array | None = None, out_dtype=None) -> jax.Array:
+                  layer_state: jax.Array | None = None, out_dtype=None,
+                  round_gradient: bool = False) -> jax.Array:
   """x [..., *in] @ kernel [*in, *out] under `recipe`. `out_dtype` (None: x's): an unquantized
-  product accumulates into it and is never rounded to x's dtype (the head's fp32 logits); a
-  quantized one is cast to it."""
+  product accumulates into it and is never rounded to x's dtype (the head's fp32 logits; with
+  `round_gradient` its backward runs on x's dtype: `dense_product`); a quantized one is cast to it."""
   if out_dtype is not None and recipe.product == 'none':
-    return dense_product(x, kernel, n_in, out_dtype)
+    return dense_product(x, kernel, n_in, out_dtype, round_gradient)
   y = _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)
   return y if out_dtype is None else y.astype(out_dtype)

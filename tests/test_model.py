@@ -134,19 +134,21 @@ def test_bf16_logits_are_accumulated_in_fp32_not_rounded_to_bf16(tie):
 
 
 def test_the_heads_backward_takes_the_logits_gradient_in_the_compute_dtype():
-  """models/loss.py:logits_16bit_gradient: the logits are the plain product's, fp32; the backward
+  """quant/contraction.py:wide_product, as the tied head runs it: the logits are the plain
+  product's, fp32; the backward
   rounds the logits' gradient to bf16 first (its gradients for g and for g rounded are the same,
   which the plain product's are not), and against a float64 reference its gradients are off by
   at most that rounding and the results' own (bf16's unit roundoff u = 2**-8 each) and fp32
   summation (n terms, n * 2**-24)."""
-  from models.loss import logits_16bit_gradient
+  from models.llama import TIED_HEAD_DIMS
+  from quant.contraction import wide_product
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (2, 8, 32), jnp.float32).astype(jnp.bfloat16)
   table = jax.random.normal(keys[1], (64, 32), jnp.float32).astype(jnp.bfloat16)
   g = jax.random.normal(keys[2], (2, 8, 64), jnp.float32)
   rounded = g.astype(jnp.bfloat16).astype(jnp.float32)
   plain = lambda x, t: jnp.einsum('bld,vd->blv', x, t, preferred_element_type=jnp.float32)
-  logits, vjp = jax.vjp(logits_16bit_gradient, x, table)
+  logits, vjp = jax.vjp(lambda x, t: wide_product(x, t, TIED_HEAD_DIMS), x, table)
   np.testing.assert_array_equal(logits, plain(x, table))
   dx, dtable = vjp(g)
   assert dx.dtype == x.dtype and dtable.dtype == table.dtype

@@ -119,13 +119,15 @@ def _loss_backward_products(hlo: str) -> list[tuple[str, ...]]:
 
 
 @needs_plugin
-def test_the_heads_backward_runs_on_bf16_operands_on_gpus():
-  """The tied head's two backward products take the logits' gradient in bf16 on a GPU
-  (models/loss.py:logits_16bit_gradient), not fp32 GEMMs; XLA:CPU keeps the plain product."""
+@pytest.mark.parametrize('tied', [True, False])
+def test_the_heads_backward_runs_on_bf16_operands_on_gpus(tied):
+  """The head's two backward products, tied (the embedding table) or not (a Dense), take the
+  logits' gradient in bf16 on a GPU (quant/contraction.py:wide_product), not fp32 GEMMs; XLA:CPU
+  keeps the plain product."""
   from train import run
   config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
-                          'parallel.zero_stage': 0, 'train.batch_size': 2})
-  assert config.model.tie_embeddings
+                          'parallel.zero_stage': 0, 'train.batch_size': 2,
+                          'model.tie_embeddings': tied})
   s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
   products = _loss_backward_products(run.compile_train_step(s).as_text())
   assert len(products) == 2 and all(dtypes == ('bf16', 'bf16') for dtypes in products), products
