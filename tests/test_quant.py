@@ -137,6 +137,14 @@ def test_fp8_delayed_scaling_takes_its_scales_from_the_history_and_returns_its_u
   clipped = fp8.fp8_delayed_dot(x, w, history, 1)
   reference = fp8.fp8_delayed_dot(jnp.clip(x, -1, 1), w, history, 1)
   np.testing.assert_array_equal(clipped, reference)
+  # The backward multiplies the gradient in e5m2 by the kernel in e4m3 (dx), and the input in e4m3
+  # by the gradient (dw), each scaled as its history says.
+  recorded = recorded.at[2, 0].set(8.0)
+  dx, dw = jax.vjp(lambda x, w: fp8.fp8_delayed_dot(x, w, recorded, 1), x, w)[1](cotangent)
+  as_e5m2 = lambda a, amax: (jnp.clip(a * (57344 / amax), -57344, 57344).astype(jnp.float8_e5m2)
+                             .astype(jnp.float32) / (57344 / amax))
+  np.testing.assert_allclose(dx, as_e5m2(cotangent, 8.0) @ cast(w, 4.0).T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dw, cast(x, 2.0).T @ as_e5m2(cotangent, 8.0), rtol=1e-5, atol=1e-6)
   _, pullback = jax.vjp(lambda h: fp8.fp8_delayed_dot(x, w, h, 1), history)
   (update,) = pullback(cotangent)
   np.testing.assert_allclose(history + update, jnp.stack([

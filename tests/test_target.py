@@ -102,8 +102,9 @@ def test_a_step_compiled_for_gpus_is_the_gpus_program():
   assert 0 < report['per_device_bytes']['total'] < 2**30
 
 
-def _loss_backward_products(hlo: str) -> list[tuple[str, ...]]:
-  """The operand dtypes of each dot in the loss's backward pass of a compiled program's text."""
+def _dot_operand_dtypes(hlo: str, where: str) -> list[tuple[str, ...]]:
+  r"""The operand dtypes of each dot of a compiled program's text whose line matches `where` (a
+  regex over its metadata: `transpose\(jvp\(loss\)\)`, the loss's backward)."""
   import re
   found, shapes = [], {}
   for line in hlo.splitlines():
@@ -113,7 +114,7 @@ def _loss_backward_products(hlo: str) -> list[tuple[str, ...]]:
     if defined:
       shapes[defined.group(1)] = defined.group(2)
     dot = re.search(r' dot\(%?([\w.\-]+), %?([\w.\-]+)\)', line)
-    if dot and 'transpose(jvp(loss))' in line:
+    if dot and re.search(where, line):
       found.append(tuple(shapes.get(name, '?') for name in dot.groups()))
   return found
 
@@ -129,8 +130,25 @@ def test_the_heads_backward_runs_on_bf16_operands_on_gpus(tied):
                           'parallel.zero_stage': 0, 'train.batch_size': 2,
                           'model.tie_embeddings': tied})
   s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
-  products = _loss_backward_products(run.compile_train_step(s).as_text())
+  products = _dot_operand_dtypes(run.compile_train_step(s).as_text(), r'transpose\(jvp\(loss\)\)')
   assert len(products) == 2 and all(dtypes == ('bf16', 'bf16') for dtypes in products), products
+
+
+@needs_plugin
+def test_delayed_fp8_multiplies_fp8_operands_on_gpus():
+  """fp8 with delayed scaling multiplies the fp8 values themselves on a GPU (quant/fp8.py), forward
+  (e4m3 x e4m3) and backward (e5m2 with e4m3): written as quantize -> dequantize -> bf16 product,
+  XLA:GPU dropped the fp8 round trip and ran fp32 products instead."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0, 'train.batch_size': 2, 'quant.mode': 'fp8',
+                          'quant.fp8_scaling': 'delayed'})
+  s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
+  products = _dot_operand_dtypes(run.compile_train_step(s).as_text(), '/(mlp|attention)/')
+  kinds = set(products)
+  assert products and kinds <= {('f8e4m3fn', 'f8e4m3fn'), ('f8e5m2', 'f8e4m3fn'),
+                                ('f8e4m3fn', 'f8e5m2')}, products
+  assert ('f8e4m3fn', 'f8e4m3fn') in kinds and len(kinds) == 3, kinds
 
 
 @needs_plugin
