@@ -73,6 +73,7 @@ CASE_COLUMNS = (   # (key, header, digits, scale)
     ('attention', 'attention', 0, 1), ('step_ms', 'step (ms)', 1, 1),
     ('tokens_per_sec', 'tokens/s', 0, 1), ('mfu_peak', 'MFU of the bf16 peak (%)', 1, 100),
     ('mfu_peak_causal', 'MFU, causal count (%)', 1, 100),
+    ('mfu_peak_fp8', 'MFU of the fp8 peak (%, fp8 cases)', 1, 100),
     ('peak_gb', 'peak (GB)', 2, 1), ('compiled_gb', 'compiled (GB)', 2, 1),
     ('estimate_gpu_gb', 'GPU estimate (GB)', 2, 1), ('peak_vs_estimate', 'peak ÷ estimate', 3, 1),
     ('modelled_step_s', 'modelled step (ms)', 1, 1e3),

@@ -78,6 +78,8 @@ def main(argv):
   reachable = matmul_flops_per_sec(matmul_size, s.policy.compute_dtype)
   sheet = datasheet(device_kind)
   peak_flops = sheet['peak_bf16'] if sheet else None
+  # An fp8 run is stated against the fp8 peak too, where the GPU has one.
+  fp8_peak = sheet['peak_fp8'] if sheet and config.quant.mode == 'fp8' else None
   results = {
       **memory,
       'config': config.name, 'precision': s.policy.name, 'quant_mode': config.quant.mode,
@@ -95,6 +97,8 @@ def main(argv):
       'flops_per_token_causal': causal_flops_per_token,
       'mfu_peak_causal': (None if peak_flops is None else
                           causal_flops_per_token * tokens_per_sec / s.mesh.size / peak_flops),
+      'peak_fp8_flops_per_sec': fp8_peak,
+      'mfu_peak_fp8': None if fp8_peak is None else model_flops / fp8_peak,
       'peak_device_bytes': peak_bytes, 'device_bytes_limit': device_memory_limit(),
   }
   print(f'{config.name} ({s.policy.name}, {s.mesh.size} x {device_kind}), '
@@ -118,7 +122,10 @@ def main(argv):
         + ('' if peak_flops is None else
            f', {100 * results["mfu_peak"]:.1f} % of the datasheet {peak_flops / 1e12:.0f} TFLOP/s '
            f'(PaLM\'s count: every attention pair); {100 * results["mfu_peak_causal"]:.1f} % by '
-           f'the causal count (half the pairs: MaxText\'s)'))
+           f'the causal count (half the pairs: MaxText\'s)')
+        + ('' if fp8_peak is None else
+           f'; {100 * results["mfu_peak_fp8"]:.1f} % of the datasheet fp8 '
+           f'{fp8_peak / 1e12:.0f} TFLOP/s (PaLM\'s count)'))
   compiled_bytes = memory['per_device_bytes']
   print(f'  compiled memory    {compiled_bytes["total"] / GiB:.3f} GiB per device (arguments '
         f'{compiled_bytes["arguments"] / GiB:.3f}, outputs {compiled_bytes["outputs"] / GiB:.3f}, '

@@ -15,6 +15,7 @@ class Target:
   name: str
   memory: float          # bytes per device
   peak_bf16: float       # FLOP/s
+  peak_fp8: float | None  # FLOP/s (None: no fp8 tensor cores, or no figure)
   hbm: float             # bytes/s
   intra_node: float      # bytes/s per GPU per direction
   inter_node: float      # bytes/s per GPU

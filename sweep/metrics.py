@@ -94,18 +94,21 @@ def _mfu(f: PointFiles):
   return bench['mfu'] if bench else _mfu_peak(f)
 
 
-def _mfu_peak(f: PointFiles, causal: bool = False):
-  """Against the datasheet bf16 dense peak of the device the point ran on (None: none, a CPU);
-  the attention counted over every pair (PaLM's count) or, `causal`, over half of them."""
+def _mfu_peak(f: PointFiles, causal: bool = False, peak_key: str = 'peak_bf16'):
+  """Against the datasheet dense peak (`peak_key`: bf16's, or fp8's for an fp8 point) of the
+  device the point ran on (None: none, a CPU, no such peak, or fp8's for a point that is not
+  fp8); the attention counted over every pair (PaLM's count) or, `causal`, over half of them."""
   from configs.hardware import datasheet
   peak = datasheet(f.memory('device_kind') or '')
   config, tokens_per_sec, devices = f.config, _tokens_per_sec(f), _devices(f)
   if peak is None or config is None or tokens_per_sec is None or not devices:
     return None
+  if peak[peak_key] is None or (peak_key == 'peak_fp8' and config.quant.mode != 'fp8'):
+    return None
   from train.checks import model_config
   flops = model_config(config).flops_per_token(config.train.seq_len, not config.lora.rank,
                                                causal=causal)
-  return flops * tokens_per_sec / devices / peak['peak_bf16']
+  return flops * tokens_per_sec / devices / peak[peak_key]
 
 
 def _measured_step_s(f: PointFiles):
@@ -243,6 +246,8 @@ METRICS = {
     'mfu_peak': Metric('MFU of the datasheet bf16 peak (PaLM count)', _mfu_peak, 3),
     'mfu_peak_causal': Metric('MFU of the datasheet bf16 peak (causal count)',
                               lambda f: _mfu_peak(f, causal=True), 3),
+    'mfu_peak_fp8': Metric('MFU of the datasheet fp8 peak (PaLM count; fp8 points)',
+                           lambda f: _mfu_peak(f, peak_key='peak_fp8'), 3),
     'step_ms': Metric('step (ms)', _bench('step_seconds', 1e3), 1),
     'attention': Metric('attention', _bench('attention')),
     'peak_vs_estimate': Metric('peak ÷ GPU estimate', _peak_vs_estimate, 3),

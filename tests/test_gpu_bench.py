@@ -133,8 +133,18 @@ def test_the_cost_model_is_compared_with_a_step_measured_on_its_own_gpu(tmp_path
   assert METRICS['mfu_peak_causal'].read(on_h100) == pytest.approx(
       causal / GPUS['H100-80GB']['peak_bf16'])
   assert METRICS['mfu_peak_causal'].read(on_h100) < METRICS['mfu_peak'].read(on_h100)
+  # Against the fp8 peak only where the point's matmuls are fp8 and the GPU has that peak.
+  assert METRICS['mfu_peak_fp8'].read(on_h100) is None
+  fp8 = tiny_config(**{'precision': 'bf16_mixed', 'model.remat': 'full', 'quant.mode': 'fp8'})
+  (tmp_path / 'fp8').mkdir()
+  on_h100_fp8 = _bench_point(tmp_path / 'fp8', 'NVIDIA H100 80GB HBM3', fp8, measured)
+  assert METRICS['mfu_peak_fp8'].read(on_h100_fp8) == pytest.approx(
+      METRICS['mfu_peak'].read(on_h100_fp8) * 989 / 1979)
+  on_a100_fp8 = _bench_point(tmp_path / 'fp8', 'NVIDIA A100-SXM4-80GB', fp8, measured)
+  assert METRICS['mfu_peak_fp8'].read(on_a100_fp8) is None   # no fp8 tensor cores
   on_cpu = _bench_point(tmp_path, 'cpu', config, measured)
-  for metric in ('modelled_vs_measured', 'calibrated_mfu', 'mfu_peak', 'mfu_peak_causal'):
+  for metric in ('modelled_vs_measured', 'calibrated_mfu', 'mfu_peak', 'mfu_peak_causal',
+                 'mfu_peak_fp8'):
     assert METRICS[metric].read(on_cpu) is None
 
 
