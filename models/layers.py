@@ -12,11 +12,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.attention import attend, cached_attention
+from models.attention import attend, cached_attention, compile_platform
 from models.config import ModelConfig
 from models.context import context_attention, sequence_shards
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
+from models.swiglu import swiglu
 from precision.policy import Policy
 
 
@@ -174,7 +175,10 @@ class MLP(nnx.Module):
     if self.gate is None:
       hidden = jax.nn.gelu(self.up(x, on_up), approximate=True)
     else:
-      hidden = jax.nn.silu(self.gate(x, on_gate)) * self.up(x, on_up)
+      gate, up = self.gate(x, on_gate), self.up(x, on_up)
+      # Off the CPU the product keeps only its inputs for the backward (models/swiglu.py); XLA:CPU
+      # keeps autodiff's program, which every CPU figure was calibrated on.
+      hidden = (swiglu(gate, up) if compile_platform() != 'cpu' else jax.nn.silu(gate) * up)
     hidden = constrain(hidden, ('batch', 'length', 'mlp'))
     return self.down(hidden, on_down)
 
