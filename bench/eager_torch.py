@@ -3,8 +3,8 @@
 Token embedding -> N x [RMSNorm -> causal grouped-query attention with RoPE (Llama's half
 rotation, `F.scaled_dot_product_attention`) -> RMSNorm -> SwiGLU MLP], no biases, final RMSNorm,
 a tied or untied head, next-token cross-entropy, AdamW with global-norm clipping: what a
-researcher writes in PyTorch in an afternoon. `torch` is a test-only requirement; only
-bench/versus.py imports this file, in a process of its own.
+researcher writes in PyTorch in an afternoon. `torch` is a test-only requirement; bench/versus.py
+runs this file in a process of its own (and tests/test_versus.py checks it).
 
 `precision`: 'fp32' (everything fp32), 'bf16' (weights, activations and Adam's moments in bf16,
 as `model.to(torch.bfloat16)` gives; PyTorch's CPU matmuls run bf16 natively where the CPU has
@@ -158,5 +158,5 @@ class Trainer:
     start = time.perf_counter()
     for _ in range(steps):
       self.step()
-    self.loss = self.last_loss.item()
+    self.loss = math.nan if self.last_loss is None else self.last_loss.item()
     return time.perf_counter() - start

@@ -44,7 +44,7 @@ _PRECISION = flags.DEFINE_enum('precision', 'fp32', ['fp32', 'bf16', 'bf16_mixed
                                'fp32, pure bf16, or bf16 compute over fp32 weights.')
 _OURS_PRECISION = flags.DEFINE_string('ours_precision', None, 'Our precision (default: --precision).')
 _PROGRAMS = flags.DEFINE_list('programs', list(PROGRAMS), f'Any of {", ".join(PROGRAMS)}.')
-_ROUNDS = flags.DEFINE_integer('rounds', 3, 'Interleaved rounds; each program\'s best is reported.')
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'Rounds of each program; its best is reported.')
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per program per round.')
 _WARMUP = flags.DEFINE_integer('warmup', 5, 'Untimed steps once, after the compile.')
 _TORCH_THREADS = flags.DEFINE_integer('torch_threads', 2, 'torch.set_num_threads.')
@@ -217,6 +217,9 @@ def timed_rounds(starts: dict, rounds: int, steps: int, one_at_a_time: bool):
           answer = worker.run(steps)
           seconds[name].append(answer['seconds'])
           losses[name] = answer['loss']
+          # Said as it comes: a run cut short (a time limit) keeps the rounds it finished.
+          print(f'  {name}: {steps} steps in {answer["seconds"]:.3f} s (loss {answer["loss"]:.4f} '
+                f'nats/token)', flush=True)
     finally:
       for worker in alive.values():
         worker.close()
@@ -235,8 +238,10 @@ def main(argv):
           'attention': _ATTENTION.value, 'overrides': _OVERRIDES.value,
           'warmup': _WARMUP.value, 'torch_threads': _TORCH_THREADS.value,
           'torch_device': torch_device(_TORCH_DEVICE.value, _PROGRAMS.value)}
-  one_at_a_time = (_ORDER.value == 'one_at_a_time' or
-                   (_ORDER.value == 'auto' and on_accelerator()))
+  # On a GPU (PyTorch's, or JAX's when a JAX program runs) one program at a time.
+  jax_programs = set(_PROGRAMS.value) - {'torch', 'torch_compile'}
+  one_at_a_time = (_ORDER.value == 'one_at_a_time' or (_ORDER.value == 'auto' and (
+      spec['torch_device'] == 'cuda' or (jax_programs and on_accelerator()))))
   tokens = spec['batch_size'] * spec['seq_len']
   with tempfile.TemporaryDirectory() as scratch:
     starts = {name: (lambda: OurLoop(spec, scratch)) if name == 'ours_loop' else

@@ -17,7 +17,8 @@ Sources (the dense figures; datasheets print twice as much "with sparsity"):
                   4.8 TB/s
   L40S-48GB       NVIDIA L40S datasheet: 362 TFLOPS bf16 (733 fp8); 864 GB/s; PCIe Gen4 x16
   RTX4090-24GB    NVIDIA Ada Lovelace architecture whitepaper, appendix A: 165 TFLOPS bf16 with
-                  fp32 accumulation (fp16 with fp16 accumulation: 330); 1,008 GB/s; PCIe Gen4 x16
+                  fp32 accumulation (fp16 with fp16 accumulation: 330); 1,008 GB/s; PCIe Gen4 x16;
+                  it has fp8 tensor cores, whose figure is not entered here yet (peak_fp8 None)
   GH200-96GB      NVIDIA GH200 Grace Hopper Superchip datasheet: the H100's 989 TFLOPS bf16 (1,979
                   fp8); 96 GB
                   HBM3 at 4 TB/s; NVLink-C2C 900 GB/s (450 each way) to up to 480 GB LPDDR5X

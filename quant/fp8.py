@@ -81,8 +81,10 @@ def _forward(x, kernel, history, n_in):
   x_scale, kernel_scale = history_scale(history[X], E4M3), history_scale(history[KERNEL], E4M3)
   xq, kq = _quantize(x, x_scale, E4M3), _quantize(kernel, kernel_scale, E4M3)
   # The forward's product is delivered in x's dtype: it is the matmul output `remat=dots` saves
-  # (a whole layer stack of them), which in fp32 took twice the memory of the bf16 step's.
-  y = _scaled_product(xq, x_scale, kq, kernel_scale, dense_dims(x, n_in), x.dtype, x.dtype)
+  # (a whole layer stack of them), which in fp32 took twice the memory of the bf16 step's. Not in
+  # fp16, whose range the scaled product (up to 448**2 a term) would overflow.
+  delivered = jnp.float32 if x.dtype == jnp.float16 else x.dtype
+  y = _scaled_product(xq, x_scale, kq, kernel_scale, dense_dims(x, n_in), x.dtype, delivered)
   # The fp8 operands are what the backward needs: a byte per value, not the compute dtype's two.
   return y, (xq, x_scale, kq, kernel_scale, history, _amax(x), _amax(kernel))
 
