@@ -199,8 +199,11 @@ def cpu_upcasts_bf16() -> bool:
 
 
 def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, tensor: int = 1,
-                              remat: str = 'none', backend: str = 'cpu') -> dict[str, float]:
-  """Bytes one token leaves behind in one layer for the backward pass under `remat`."""
+                              remat: str = 'none', backend: str = 'cpu',
+                              platform: str | None = None) -> dict[str, float]:
+  """Bytes one token leaves behind in one layer for the backward pass under `remat`. `platform`:
+  the one compiled for, where `backend` stands for another's dtypes (default: `backend`)."""
+  platform = platform or backend
   c = FP32 if upcasts(policy, backend) else policy.compute_bytes   # XLA:CPU holds them in fp32
   d, hd = cfg.d_model, cfg.head_dim
   q, kv = cfg.num_heads * hd / tensor, cfg.num_kv_heads * hd / tensor
@@ -217,7 +220,7 @@ def saved_per_token_per_layer(cfg: ModelConfig, policy: Policy, seq_len: int, te
         # SwiGLU's gate, up and their products; off the CPU its product keeps only the gate and
         # up, and the down projection its input (models/swiglu.py: 1b on one H200, 68.50 -> 56.50
         # GiB compiled).
-        'mlp': (3 if backend != 'cpu' and cfg.mlp == 'swiglu' else 6) * mlp * c,
+        'mlp': (3 if platform != 'cpu' and cfg.mlp == 'swiglu' else 6) * mlp * c,
     }
   kept = {
       'full': {'residual_and_norms': d * c},
@@ -439,7 +442,8 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # (quant/contraction.py), none stays beside the recomputed values at the layer's backward
     # peak (measured, tiny fsdp bf16_mixed remat=full, 1024 positions in 64-position flash
     # blocks: compiled 8.39 MB; this estimate -5.7 %, with half of them counted +14.6 %).
-    layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu')
+    layer = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', 'gpu',
+                                      platform=shape.backend)
   if cfg.remat != 'none':
     # Recomputed, the forward pass makes the unblocked query, key and value again on the way.
     q = cfg.num_heads * cfg.head_dim / shape.tensor

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from bench.studies.memory_matrix import compare
-from memory.estimate import StepShape, estimate
+from memory.estimate import StepShape, estimate, saved_per_token_per_layer
 from models.config import ModelConfig
 from precision.policy import get_policy
 
@@ -88,10 +88,19 @@ def test_zero_stages_shard_the_state_in_order():
 
 
 def test_only_16_bit_compute_pays_for_the_cpu_fp32_copies():
+  """In fp32 the CPU and GPU estimates differ only where the GPU's program does: its SwiGLU keeps
+  three of the six [mlp_dim] values autodiff's keeps per token per layer (models/swiglu.py)."""
   shape = StepShape(rows_per_device=2, seq_len=64)
   gpu = dataclasses.replace(shape, backend='gpu')
   fp32 = get_policy('fp32')
-  assert estimate(CFG, fp32, shape) == estimate(CFG, fp32, gpu)
+  on_cpu, on_gpu = estimate(CFG, fp32, shape), estimate(CFG, fp32, gpu)
+  per_layer = {platform: saved_per_token_per_layer(CFG, fp32, 64, backend=platform)
+               for platform in ('cpu', 'gpu')}
+  assert per_layer['cpu'].pop('mlp') - per_layer['gpu'].pop('mlp') == 3 * CFG.mlp_dim * 4
+  assert per_layer['cpu'] == per_layer['gpu']
+  assert on_cpu['activations'] > on_gpu['activations']
+  assert {k: v for k, v in on_cpu.items() if k not in ('activations', 'total')} == {
+      k: v for k, v in on_gpu.items() if k not in ('activations', 'total')}
 
 
 def test_gpu_zero2_gathers_the_new_weights_whole_only_where_the_scheduler_has_room():
