@@ -2,8 +2,8 @@
 
 Differentiated by autodiff, the product keeps what each of its operations needs: the gate, the up
 projection, the sigmoid and silu(gate), and XLA:GPU saves more forms of them besides (the 1b step
-with remat none compiled for an H200: six [tokens, mlp_dim] stacks per layer, against PyTorch
-eager's four and torch.compile's two). Here the backward recomputes the sigmoid from the gate, in
+with remat none compiled for an H200: six [tokens, mlp_dim] stacks per layer; by our reading of
+autograd, not measured, PyTorch's eager loop keeps four). Here the backward recomputes the sigmoid from the gate, in
 fp32, in the one elementwise pass that forms both gradients. The forward is the plain product's,
 bit for bit.
 """
