@@ -104,6 +104,7 @@ from models.attention import flash_block
 from models.attention import resolve as resolve_attention
 from models.config import ModelConfig
 from models.llama import Transformer
+from models.loss import head_gradient_rounded
 from parallel.pipeline import BACKWARD_IN_LOOP
 from parallel.rules import PADDED_AXES, layout_rules, mesh_axes
 from parallel.sharding import logical_axes
@@ -613,6 +614,15 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # reduce-scatter (see `held`); XLA:GPU forms them after the head's backward peak.
   full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
   head_grads = 0 if on_gpu(shape) else full_grads
+  # A tied head's full-size gradient, which waits for the lookup's to be summed with it. With 16-bit
+  # compute on XLA:GPU it is formed in the compute dtype from the rounded logits' gradient, in every
+  # layout (1b ZeRO-3 on 8 H100s, bench.buffers --target: a bf16 [vocabulary, d_model] through the
+  # layers' backward, the fp32 lookup gradient formed after them; under ZeRO-1 all-reduced beside
+  # the full fp32 gradients); otherwise where the gradients are sharded, in the parameters' dtype.
+  rounded = on_gpu(shape) and head_gradient_rounded(policy.compute_dtype, shape.backend)
+  tied_grad = int(cfg.tie_embeddings and embedding_grads) * (
+      policy.compute_bytes / FP32 if rounded else
+      full_grads * (policy.param_bytes / FP32 if on_gpu(shape) else 1))
   if on_gpu(shape):   # in the parameters' dtype (XLA:CPU upcasts 16-bit ones)
     full_grads *= policy.param_bytes / FP32
   # With microbatches, loop-invariant copies are hoisted out of the microbatch loop and stay for
@@ -641,23 +651,35 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # Held through the layers' backward: the lookup's gradient, and a tied table's head gradient,
   # which waits to be summed with it; an untied head's is reduced as soon as it is formed (7b
   # ZeRO-3 on 64 devices, bench/buffers.py: one [32000, 4096] fp32 gradient at the layer peak).
-  held = (hoisted + (1 + int(cfg.tie_embeddings)) * full_grads) * table
+  # XLA:GPU forms the lookup's gradient after the layers' backward.
+  held = (hoisted + (0 if on_gpu(shape) else full_grads) + tied_grad) * table
   # At the end of the backward pass the two full-size gradients are summed and reduced (on CPU an
   # all-reduce, then each device keeps its slice), its input and output beside them; XLA:GPU
   # reduce-scatters the sum into a shard (1b ZeRO-3 on 8 H100s: its peak is the head's).
-  reduction = (hoisted + (2 if on_gpu(shape) else 4) * full_grads) * table
+  reduction = (hoisted + (full_grads + tied_grad if rounded else
+                          2 * full_grads if on_gpu(shape) else 4 * full_grads)) * table
   # The fp32 logits and their gradient, for the whole sequence, or with `model.loss_chunk` for one
   # chunk of positions at a time. No compute-dtype copy of the gradient beside them: XLA:CPU with
   # bf16 compute gives the head's matmul an fp32 copy of it (laid out transposed) in place of the
   # 16-bit one (1b ZeRO-2 on 8 devices, bench/buffers.py: the gradient and its transposed copy,
-  # no bf16 one; jax 0.10 and 0.12 alike), XLA:GPU fuses the cast into the matmul (1b on one and
-  # on 8 H100s, bench.buffers --target: two fp32 [tokens, vocabulary] buffers at the peak).
+  # no bf16 one; jax 0.10 and 0.12 alike). Where the head's gradient is rounded, XLA:GPU casts the
+  # logits' gradient in the fusion that forms it (models/loss.py:cross_entropy): the fp32 logits
+  # beside a compute-dtype gradient (1b ZeRO-3 on 8 H100s, bench.buffers --target).
   chunked = 0 < cfg.loss_chunk < shape.local_len
   logit_tokens = shape.rows_per_device * cfg.loss_chunk if chunked else shape.tokens
-  logits = logit_tokens * cfg.vocab_size / shape.tensor * 2 * FP32
-  # The final norm's input and output and their gradients, fp32.
-  logits += 4 * shape.tokens * cfg.d_model * FP32
-  return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction}
+  # Unrounded, XLA:GPU writes the fp32 gradient over the logits (1b ZeRO-3 in fp32 on 8 H100s: one
+  # fp32 [tokens, vocabulary] buffer at the head's backward).
+  logits = logit_tokens * cfg.vocab_size / shape.tensor * (
+      FP32 + (policy.compute_bytes if rounded else 0 if on_gpu(shape) else FP32))
+  # The final norm's input and output and their gradients, fp32; on XLA:GPU, which fuses the norm's
+  # fp32 arithmetic, its input and output in the compute dtype (1b ZeRO-3 on 8 H100s, 20b QLoRA,
+  # bench.buffers --target: two [tokens, d_model] rows at the head's backward, none fp32).
+  logits += shape.tokens * cfg.d_model * (2 * policy.compute_bytes if on_gpu(shape) else 4 * FP32)
+  # The head's weight gradient formed from the logits' gradient, in the compute dtype where it is
+  # rounded (the table the head multiplied by still beside it), else fp32.
+  weight = (logit_tokens * cfg.vocab_size / shape.tensor * (policy.compute_bytes if rounded else FP32)
+            + (table_copy * table if rounded else 0))
+  return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction, 'weight': weight}
 
 
 def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -689,8 +711,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
   chunk_layers = cfg.num_layers / (P * R)
-  layer = layer_phase_bytes(cfg, policy, micro,
-                            trains_weights=frozen is None or shape.gathers_params)
+  layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
   # Without remat the chunk's backward is straight-line code and frees each layer's saved
   # activations as it passes it: at the last layer's backward, the others' are held (100m,
   # 3-layer chunks: within 4 % of the compile from 4 to 16 microbatches; all of them counted,
@@ -826,6 +847,16 @@ class Frozen:
   quantized: bool = False   # QLoRA: kernels dequantized one layer at a time inside the scan
 
 
+def weight_shaped(frozen: Frozen | None, shape: StepShape) -> bool:
+  """Whether a layer's backward holds a weight gradient's worth of weight-shaped buffers: where
+  the weights train, and under ZeRO-3 for a frozen base in the compute dtype (LoRA), whose
+  transposed shards and gathered next layers XLA:GPU holds in their place (20b LoRA on 8 H100s,
+  bench.buffers --target: 1.7 GiB at the head's backward). A quantized base (QLoRA) is gathered
+  and dequantized a layer at a time with nothing beside it (20b QLoRA on 8 H100s: +27 % counted
+  so, +0.3 % without)."""
+  return frozen is None or (shape.gathers_params and not frozen.quantized)
+
+
 # The remat policies that keep in host memory what another keeps on the device: the same program
 # otherwise (models/llama.py).
 OFFLOADED_REMAT = {'offload': 'full', 'dots_offload': 'dots'}
@@ -918,15 +949,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
   pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
                     / shards(cfg, shape, 2) if shape.stages > 1 and frozen is None else 0)
-  # A pipeline stage runs a layer on one pipeline microbatch at a time.
-  # A frozen base has no weight gradient. Under ZeRO-3 XLA:GPU holds other weight-shaped buffers
-  # that this model does not count one by one, a base shard transposed for the gathers and the
-  # next layers' gathered weights (20b LoRA on 8 H100s, bench.buffers --target: 1.7 GiB at the
-  # head's backward): there the layer's weights and a gradient's worth stand for them (without
-  # them 7b and 20b LoRA on 8 are 15 and 20 % under the compiled total).
+  # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
+  # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
+  # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
       shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches),
-                            trains_weights=frozen is None or shape.gathers_params)
+                            trains_weights=weight_shaped(frozen, shape))
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
   # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits).
@@ -946,11 +974,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
   common = microbatch_grads + copies + pipeline_grads
-  # Under ZeRO-3 XLA:GPU gathers the last layer's weights for its backward while the head's runs
-  # (20b QLoRA on 8 H100s, bench.buffers --target: two MLP and six attention matrices in flight at
-  # the head's peak; with them the 1b step in fp32, bf16_master and bf16 on 8 comes within 4 %).
-  prefetched = (cfg.params_per_layer / shape.tensor * policy.compute_bytes * gathered(cfg, shape)
-                if on_gpu(shape) and shape.gathers_params else 0)
+  # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
+  # for its recomputed forward and, pipelined into the backward loop, for its backward (1b ZeRO-3
+  # on 8 and 512 H100s, bench.buffers --target: two to three layers' matrices in flight at the
+  # head's peak).
+  prefetched = (2 * cfg.params_per_layer / shape.tensor * policy.compute_bytes
+                * gathered(cfg, shape) if on_gpu(shape) and shape.gathers_params else 0)
   head_phase = {'activations': saved + vocab['logits'],
                 'temporaries': common + vocab['head'] - unformed + prefetched}
   layer_phase = {'activations': (saved + ring + layer['activations']
@@ -969,7 +998,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # On XLA:GPU, the head's weight gradient formed: the logits' gradient (one fp32 buffer) beside
   # the full-size head and lookup gradients (1b ZeRO-3 on 64 H100s, bench.buffers --target: three
   # fp32 [vocabulary, d_model] buffers at the peak).
-  weight_phase = ({'activations': saved + vocab['logits'] / 2,
+  weight_phase = ({'activations': saved + vocab['weight'],
                    'temporaries': common + vocab['held']} if on_gpu(shape) else {})
   backward = max(head_phase, layer_phase, reduction_phase, convert_phase, weight_phase,
                  key=lambda phase: sum(phase.values()))

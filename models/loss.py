@@ -17,12 +17,28 @@ from models.attention import compile_platform
 from models.hints import shards
 
 
-def head_gradient_rounded(compute_dtype) -> bool:
+def head_gradient_rounded(compute_dtype, platform: str | None = None) -> bool:
   """Whether the head's backward takes the logits' gradient in the 16-bit compute dtype
   (quant/contraction.py:wide_product) rather than autodiff's fp32: off the CPU. XLA:CPU of jax 0.10
   runs bf16 products in fp32 whatever their operands, so the CPU keeps the plain product's program
-  (and every figure calibrated on it)."""
-  return compile_platform() != 'cpu' and jnp.dtype(compute_dtype) != jnp.float32
+  (and every figure calibrated on it). `platform`: the one compiled for (default: the one being
+  traced for), as the memory estimate asks of the backend it models."""
+  return ((platform or compile_platform()) != 'cpu'
+          and jnp.dtype(compute_dtype) != jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Nats of integer `targets` [...] under fp32 `logits` [..., vocab]. Off the CPU the target's
+  logit is picked by a mask over the vocabulary rather than a gather: the gather's gradient is a
+  scatter into the fp32 gradient of the logits, which must then exist whole before its cast to the
+  compute dtype, where the mask's is elementwise and fuses with the softmax's and the cast (1b
+  ZeRO-3 on 8 H100s, bench.buffers --target: one fp32 [tokens, vocabulary] buffer fewer at the
+  head's backward). XLA:CPU keeps optax's gather, the program its figures are calibrated on."""
+  if compile_platform() == 'cpu':
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 @jax.named_scope('loss')
@@ -33,7 +49,7 @@ def token_losses(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: 
   predicted (padding, or the next document's first token): its loss is 0, and so is its gradient."""
   def losses(x, targets):
     ignored = targets < 0
-    nats = optax.softmax_cross_entropy_with_integer_labels(head(x), jnp.where(ignored, 0, targets))
+    nats = cross_entropy(head(x), jnp.where(ignored, 0, targets))
     return jnp.where(ignored, 0.0, nats)
 
   b, t = targets.shape

@@ -166,6 +166,31 @@ def test_the_heads_backward_takes_the_logits_gradient_in_the_compute_dtype():
     assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= summed + u * (np.abs(exact) + summed))
 
 
+def test_the_gpus_cross_entropy_is_optaxs_within_fp32_summation():
+  """models/loss.py:cross_entropy off the CPU picks the target's logit by a mask, not a gather: its
+  losses and gradients are optax's (one exact pick; the softmax the same) up to fp32's summation
+  over the vocabulary (n * 2**-24 of the sum of magnitudes); and an out-of-range mask would not be
+  (the test can tell a wrong pick)."""
+  import optax
+  from models.attention import compiling_for
+  from models.loss import cross_entropy
+  keys = jax.random.split(jax.random.key(0), 2)
+  logits = 4 * jax.random.normal(keys[0], (3, 5, 1000), jnp.float32)
+  targets = jax.random.randint(keys[1], (3, 5), 0, 1000)
+  total = lambda f: lambda l: f(l, targets).sum()
+  reference = jax.value_and_grad(total(optax.softmax_cross_entropy_with_integer_labels))(logits)
+  with compiling_for('gpu'):
+    masked = jax.value_and_grad(total(cross_entropy))(logits)
+  n, eps = logits.shape[-1], 2.0**-24
+  largest_loss = float(jnp.abs(logits).max()) + np.log(n)   # |logsumexp| + |the picked logit|
+  np.testing.assert_allclose(masked[0], reference[0], rtol=0,
+                             atol=n * eps * 2 * largest_loss * targets.size)
+  assert np.abs(np.asarray(masked[1] - reference[1])).max() <= n * eps
+  wrong = jax.grad(lambda l: optax.softmax_cross_entropy_with_integer_labels(
+      l, (targets + 1) % n).sum())(logits)
+  assert np.abs(np.asarray(masked[1] - wrong)).max() > 0.5
+
+
 def test_swiglu_keeps_only_its_inputs_and_differentiates_within_bf16s_rounding(capsys):
   """models/swiglu.py: the forward is the plain product's bit for bit; the backward keeps the gate
   and up alone (autodiff's keeps three more [tokens, mlp_dim] values) and its gradients, formed in

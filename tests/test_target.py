@@ -134,6 +134,43 @@ def test_the_heads_backward_runs_on_bf16_operands_on_gpus(tied):
   assert len(products) == 2 and all(dtypes == ('bf16', 'bf16') for dtypes in products), products
 
 
+def _scheduled_before_last_loop(hlo: str, shape: str, where: str) -> bool:
+  """Whether, in the scheduled computation that holds it and a while loop, the first instruction
+  making an array of `shape` (e.g. `bf16[64,256]`) whose metadata matches `where` runs before that
+  computation's last while loop (in a train step: the layers' backward scan)."""
+  import re
+  computations, lines = [], []
+  for line in hlo.splitlines():
+    if re.match(r'^\S', line):
+      computations.append(lines := [])
+    else:
+      lines.append(line)
+  for lines in computations:
+    loops = [i for i, line in enumerate(lines) if ' while(' in line]
+    made = [i for i, line in enumerate(lines)
+            if re.search(rf' = {re.escape(shape)}\{{', line) and re.search(where, line)]
+    if loops and made:
+      return made[0] < loops[-1]
+  raise AssertionError(f'no {shape} made by {where} beside a while loop in the program')
+
+
+@needs_plugin
+@pytest.mark.parametrize('tied', [True, False])
+def test_the_heads_weight_gradient_is_formed_before_the_layers_backward_on_gpus(tied):
+  """The head's kernel gradient is computed as soon as the logits' gradient is, not after the
+  layers' backward pass, which would keep the [tokens, vocabulary] gradient alive through it
+  (quant/contraction.py:wide_product's barrier)."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0, 'train.batch_size': 2,
+                          'model.tie_embeddings': tied})
+  s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
+  d, vocab = s.model.d_model, s.model.vocab_size
+  shape = f'bf16[{vocab},{d}]' if tied else f'bf16[{d},{vocab}]'
+  assert _scheduled_before_last_loop(run.compile_train_step(s).as_text(), shape,
+                                     r'transpose\(jvp\(loss\)\)')
+
+
 @needs_plugin
 def test_delayed_fp8_multiplies_fp8_operands_on_gpus():
   """fp8 with delayed scaling multiplies the fp8 values themselves on a GPU (quant/fp8.py), forward
