@@ -500,8 +500,10 @@ def gpu_recomputed_layer(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # `_attention_backward`) beside the layer's d_model rows and query, key and value.
   attention_point = c * (5 * cfg.d_model + q + 2 * kv) + _attention_backward(cfg, policy, shape)
   per_token = max(mlp_point, attention_point)
-  if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
-    per_token += 2 * cfg.d_model * FP32
+  if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce,
+    # in the compute dtype (7b ZeRO-3 x tensor 4 on 64 H100s, bench.buffers --target: bf16
+    # [tokens, d_model] products at the attention's backward, no fp32 one)
+    per_token += 2 * cfg.d_model * c
   weights = (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor
   mask = 0
   if shape.packed and resolve_attention(cfg.attention, policy.compute_dtype, 'gpu') == 'cudnn':
@@ -636,8 +638,9 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
     if shape.gathers_params and cpu_bf16:
       hoisted = (2 + policy.compute_bytes / FP32
                  - int(cfg.tie_embeddings and policy.param_bytes < FP32))
-    elif shape.gathers_params:
-      hoisted = _vocab_matrices(cfg)
+    elif shape.gathers_params:   # XLA:GPU gathers them in the compute dtype (1b ZeRO-3, 4
+      # microbatches, on 8 H100s, bench.buffers --target: one bf16 [vocabulary, d_model] table)
+      hoisted = _vocab_matrices(cfg) * (policy.compute_bytes / FP32 if on_gpu(shape) else 1)
     else:   # on one tensor shard a tied table is also laid out transposed for the head
       hoisted = int(cpu_bf16) * (1 + int(cfg.tie_embeddings and shape.tensor == 1))
   # ZeRO-3 with fp32 weights and bf16 compute on XLA:CPU: the forward's bf16 cast of the gathered
@@ -817,6 +820,20 @@ def transposed_gradient(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   return cfg.num_layers / shape.stages * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
 
 
+def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                      frozen: 'Frozen | None' = None) -> float:
+  """ZeRO-3 on XLA:GPU: the gradient stacks whose sharded d_model is their last dimension (the MLP's
+  down projection, the attention's output projection) are also held transposed, d_model first,
+  through the layers' backward (70b ZeRO-3 x tensor 4 on 8 H100s, bench.buffers --target: fp32
+  [4096, 80, 7168] and [4096, 80, 16, 128] copies beside the stacks, 11.25 GiB; the same pair at
+  1b and 7b)."""
+  if not on_gpu(shape) or shape.zero_stage < 3 or shape.fsdp == 1 or frozen is not None:
+    return 0
+  q = cfg.num_heads * cfg.head_dim
+  return (cfg.num_layers / shape.stages * (cfg.mlp_dim + q) * cfg.d_model * policy.param_bytes
+          / (shape.fsdp * shape.tensor))
+
+
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """With 16-bit weights and 32-bit Adam, optax forms the new first moment in fp32 (from the
   fp32 hyper-parameters) and train/step.py's state keeps it 16-bit only by a cast at the end (with
@@ -943,7 +960,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     saved *= 2
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
-  microbatch_grads = grads if shape.microbatches > 1 else 0
+  # A microbatch's own gradients beside the step's sum; on XLA:GPU also the zero-filled set the next
+  # microbatch starts from, as for the saved stacks (70b ZeRO-3 in 2 microbatches on 64 H100s,
+  # bench.buffers --target: three sets of the layers' gradient stacks at the layers' backward).
+  microbatch_grads = (grads * (2 if on_gpu(shape) else 1) if shape.microbatches > 1 else 0)
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
@@ -985,6 +1005,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
+                 + transposed_stacks(cfg, policy, shape, frozen)
                  + circular_chunk_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
   reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
