@@ -51,6 +51,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from memory.buffers import compile_with_dumps, read_peak
   from memory.compiled import format_bytes
+  from memory.estimate import format_parts
   from train.run import lower_train_step, memory_report
 
   config = _CONFIG.value
@@ -69,9 +70,9 @@ def main(argv):
   print(f'  compiled   {format_bytes(compiled_bytes["total"])} = arguments '
         f'{format_bytes(compiled_bytes["arguments"])} + outputs {format_bytes(compiled_bytes["outputs"])}'
         f' - donated {format_bytes(compiled_bytes["aliased"])} + temp {format_bytes(compiled_bytes["temp"])}')
-  terms = ' + '.join(f'{k} {format_bytes(v)}' for k, v in estimate.items() if k != 'total' and v)
   error = estimate['total'] / compiled_bytes['total'] - 1
-  print(f'  estimate   {format_bytes(estimate["total"])} = {terms} ({100 * error:+.1f} %)')
+  print(f'  estimate   {format_bytes(estimate["total"])} = {format_parts(estimate)} '
+        f'({100 * error:+.1f} %)')
   print(f'  temp peak  {format_bytes(peak.peak_bytes)} live while `{peak.at}` runs'
         + (f' ({peak.at_op_name})' if peak.at_op_name else '') + f'; {len(peak.live)} buffers, '
         f'the largest:')

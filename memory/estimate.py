@@ -102,6 +102,7 @@ from flax.linen import logical_to_mesh_axes
 
 from models.attention import flash_block
 from models.attention import resolve as resolve_attention
+from memory.compiled import format_bytes
 from models.config import ModelConfig
 from models.llama import Transformer
 from models.loss import head_gradient_rounded
@@ -922,6 +923,17 @@ def streamed_state_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   return 2 * max(cfg.params_per_layer, rest) * per_value
 
 
+def format_parts(parts: dict) -> str:
+  """`params 1.2 GiB + grads ... - unformed_grads ...`: the estimate's nonzero parts, in order."""
+  text = ''
+  for part, value in parts.items():
+    if part == 'total' or not value:
+      continue
+    term = f'{part} {format_bytes(abs(value))}'
+    text += (f' {"-" if value < 0 else "+"} ' if text else ('-' if value < 0 else '')) + term
+  return text
+
+
 def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
              frozen: Frozen | None = None) -> dict[str, float]:
   """Bytes per device by part (see the module docstring); `total` is their sum.
@@ -977,9 +989,13 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                             trains_weights=weight_shaped(frozen, shape))
   vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
   # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
-  # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits).
-  unformed = (cfg.embedding_params * p / shards(cfg, shape, 2)
-              if on_gpu(shape) and frozen is None else 0)
+  # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits), and whole
+  # (unsharded) layer gradients only in the layers' backward (1b on one H200, remat dots and none,
+  # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted).
+  unformed = 0
+  if on_gpu(shape) and frozen is None:
+    whole = shape.zero_stage < 2 and shape.microbatches == 1
+    unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 2)
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
   if shape.offload_optimizer:   # the update runs a layer (or the other weights) at a time
@@ -1000,8 +1016,11 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # head's peak).
   prefetched = (2 * cfg.params_per_layer / shape.tensor * policy.compute_bytes
                 * gathered(cfg, shape) if on_gpu(shape) and shape.gathers_params else 0)
+  # Gradients that the state's part counts but XLA:GPU has not formed yet here come off it
+  # (`unformed_grads`, negative).
   head_phase = {'activations': saved + vocab['logits'],
-                'temporaries': common + vocab['head'] - unformed + prefetched}
+                'temporaries': common + vocab['head'] + prefetched,
+                **({'unformed_grads': -unformed} if unformed else {})}
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']

@@ -4,6 +4,7 @@ step."""
 import jax
 
 from memory.compiled import compiler_of, format_bytes
+from memory.estimate import format_parts
 from quant.recipe import describe as describe_recipe
 from train import compile_cache
 
@@ -42,11 +43,8 @@ def print_summary(s, memory: dict) -> None:
   print(f'memory      per device, compiled by {memory["compiler"]}: {b(compiled["total"])} = arguments '
         f'{b(compiled["arguments"])} + outputs {b(compiled["outputs"])} - donated '
         f'{b(compiled["aliased"])} + temp {b(compiled["temp"])}')
-  print(f'            per device, estimate (analytic, of {compiler_of(s.platform)}): {b(estimated["total"])} = '
-        f'params {b(estimated["params"])}'
-        f' + grads {b(estimated["grads"])} + optimizer {b(estimated["optimizer"])} + activations '
-        f'{b(estimated["activations"])} + temporaries {b(estimated["temporaries"])}'
-        + ''.join(f' + {k} {b(estimated[k])}' for k in ('update', 'moment_fp32', 'host_writes') if estimated.get(k)))
+  print(f'            per device, estimate (analytic, of {compiler_of(s.platform)}): '
+        f'{b(estimated["total"])} = {format_parts(estimated)}')
   if 'host_bytes' in memory:
     host = memory['host_bytes']
     line = (f'            host memory, compiled: {b(host["total"])} per device, '
