@@ -469,6 +469,11 @@ def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
     bar.close()
     if pool is not None:
       pool.terminate()
+      pool.join()
+    # A group's failure stops the others mid-write: their temporary files go now, not at the
+    # next try (on a loaded machine the good group of tests/test_corpora.py's bad-record case
+    # was still writing when the bad one failed, and its file stayed).
+    _remove_leftovers(out)
   index = build_index(plan, list(records.values()))
   write_json(index_path, index)
   return index

@@ -79,17 +79,22 @@ the mean of the bf16 and fp32 sizes: the measured working set of bf16 layers is 
 one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them and with
 XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers --target`; issue
 46): the update fused in place, ZeRO-1/2's new weights gathered whole, the head's table in the
-compute dtype, the embedding's gradient formed after the head's peak, the head's weight-gradient
-point under ZeRO-3, the saved stacks twice under microbatches, a recomputed layer in the compute
-dtype and cuDNN's segment-mask bias (`sweeps/estimate.py:gpu`: 56 of its 86 points within 5 %).
+compute dtype, the logits' gradient and the tied head's in the compute dtype where the head's
+backward rounds it (models/loss.py), the lookup's gradient formed after the layers' backward,
+gradients not formed yet at the head's peak (`unformed_grads`), the head's weight-gradient point,
+two layers' weights in flight and the transposed gradient stacks under ZeRO-3, the saved stacks
+and the gradients once more under microbatches, a recomputed layer and tensor-parallel partial
+sums in the compute dtype, and cuDNN's segment-mask bias (`sweeps/estimate.py:gpu`: 65 of its 86
+points within 5 %; WORKSPACE.md says why the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed
 scaling (-6 %); fp16 with loss scaling compiles 12-18 % above it (the overflow select keeps the old
 state, so the layer scans take their own copies of the stacked weights); 8-bit moments under
 tensor parallelism, whose blocks XLA reshards, up to 12 % above at 7B (fsdp_tp) and 35-45 % at
-tiny, state-dominated shapes. XLA's heap fragmentation is not modelled either: the compiled temp
-was within 1 % of the largest live set in every compile examined.
+tiny, state-dominated shapes. XLA's heap fragmentation is not modelled either: XLA:CPU's compiled
+temp was within 1 % of the largest live set in every compile examined; XLA:GPU's was up to 13 %
+above it at 64 and 512 devices (7b ZeRO-3 on 512 H100s: 3.64 GiB for a largest live set of 3.23).
 """
 import dataclasses
 import functools
@@ -100,9 +105,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import logical_to_mesh_axes
 
+from memory.compiled import format_bytes
 from models.attention import flash_block
 from models.attention import resolve as resolve_attention
-from memory.compiled import format_bytes
 from models.config import ModelConfig
 from models.llama import Transformer
 from models.loss import head_gradient_rounded
@@ -458,7 +463,8 @@ def layer_backward_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
     layer['attention_scores'] = cfg.num_heads * shape.seq_len * FP32 / shape.tensor
   common = layer['residual_and_norms'] + layer['qkv'] + layer['attention_scores']
   if shape.tensor > 1:   # the attention and MLP outputs as partial sums and after their all-reduce
-    common += 2 * cfg.d_model * FP32
+    # (XLA:GPU keeps them in the compute dtype: `gpu_recomputed_layer`)
+    common += 2 * cfg.d_model * (policy.compute_bytes if on_gpu(shape) else FP32)
   # Where the MLP's matmul outputs are recomputed (remat full, qkv), its three fp32 gradients of
   # mlp_dim come on top of the recomputed values; where they are saved (no remat, dots), the
   # gradients take the place of the slices of the saved stacks already consumed.
@@ -682,7 +688,7 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The head's weight gradient formed from the logits' gradient, in the compute dtype where it is
   # rounded (the table the head multiplied by still beside it), else fp32.
   weight = (logit_tokens * cfg.vocab_size / shape.tensor * (policy.compute_bytes if rounded else FP32)
-            + (table_copy * table if rounded else 0))
+            + (max(0, table_copy - hoisted) * table if rounded else 0))   # a hoisted one is held
   return {'logits': logits, 'head': head, 'held': held, 'reduction': reduction, 'weight': weight}
 
 
@@ -994,7 +1000,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = shape.zero_stage < 2 and shape.microbatches == 1
+    whole = (shape.zero_stage < 2 or shape.fsdp == 1) and shape.microbatches == 1
     unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 2)
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
@@ -1035,11 +1041,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   convert_phase = {'activations': saved + converted + ring
                    + (shape.tokens * cfg.d_model * policy.compute_bytes if converted else 0),
                    'temporaries': common + shard_copies + vocab['held']}
-  # On XLA:GPU, the head's weight gradient formed: the logits' gradient (one fp32 buffer) beside
-  # the full-size head and lookup gradients (1b ZeRO-3 on 64 H100s, bench.buffers --target: three
-  # fp32 [vocabulary, d_model] buffers at the peak).
+  # On XLA:GPU, the head's weight gradient formed, before the layers' backward (the barrier in
+  # quant/contraction.py): the logits' gradient beside the head's gradients held (`vocab_bytes`),
+  # the gradients not formed yet off as at the head's peak.
   weight_phase = ({'activations': saved + vocab['weight'],
-                   'temporaries': common + vocab['held']} if on_gpu(shape) else {})
+                   'temporaries': common + vocab['held'],
+                   **({'unformed_grads': -unformed} if unformed else {})} if on_gpu(shape) else {})
   backward = max(head_phase, layer_phase, reduction_phase, convert_phase, weight_phase,
                  key=lambda phase: sum(phase.values()))
   if shape.backward_in_loop:
