@@ -12,6 +12,8 @@ import os
 import statistics
 from typing import Callable
 
+from train.metrics import read_rows
+
 GB = 1e9
 
 
@@ -40,12 +42,8 @@ class PointFiles:
     return self._cache[name]
 
   def rows(self) -> list[dict]:
-    if 'rows' not in self._cache:
-      try:
-        with open(os.path.join(self.workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-          self._cache['rows'] = [json.loads(line) for line in f if line.strip()]
-      except (OSError, ValueError):
-        self._cache['rows'] = []
+    if 'rows' not in self._cache:   # a torn line (a run killed mid-write) is left out, not the rest
+      self._cache['rows'] = read_rows(os.path.join(self.workdir, 'metrics.jsonl'))
     return self._cache['rows']
 
   def evals(self) -> list[dict]:

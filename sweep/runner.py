@@ -25,6 +25,7 @@ import time
 
 from sweep.grid import FLAG_KEYS, Point, SweepError
 from sweep.spec import ROOT, Sweep, config_of, project_path
+from train.metrics import read_rows
 
 STATUS_FILE = 'sweep.json'
 LOG_FILE = 'log.txt'
@@ -112,11 +113,8 @@ class Job:
   def complete(self) -> bool:
     """Whether the run left what its command promises (a training run: its last step logged)."""
     if self.command == 'train':
-      try:
-        with open(os.path.join(self.workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-          return any(json.loads(line).get('step') == self.steps for line in f if line.strip())
-      except (OSError, ValueError):
-        return False
+      rows = read_rows(os.path.join(self.workdir, 'metrics.jsonl'))
+      return any(row.get('step') == self.steps for row in rows)
     name = {'dry_run': 'memory.json', 'plan': 'plan.json', 'bench': 'bench.json'}[self.command]
     return os.path.isfile(os.path.join(self.workdir, name))
 

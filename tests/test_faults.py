@@ -221,6 +221,34 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_one_line(tmp_path):
   assert not workdir.exists()   # the lock's own folder goes with it when nothing else was written
 
 
+LOCK_RACER = """
+import os, sys
+from train.workdir_lock import WorkdirBusy, workdir_lock
+base, taken = sys.argv[1], 0
+for _ in range(3000):
+  try:
+    with workdir_lock(os.path.join(base, 'w')):
+      os.close(os.open(os.path.join(base, 'holder'), os.O_CREAT | os.O_EXCL))   # two holders: raises
+      os.remove(os.path.join(base, 'holder'))
+      taken += 1
+  except WorkdirBusy:
+    pass
+print(taken)
+"""
+
+
+def test_two_processes_racing_for_an_empty_workdir_never_both_hold_its_lock(tmp_path):
+  """Each takes and leaves the lock of a workdir it creates, thousands of times: the holder removes
+  the folder as it leaves while the other is opening its lock file."""
+  racers = [subprocess.Popen([sys.executable, '-c', LOCK_RACER, str(tmp_path)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+  for racer in racers:
+    out, err = racer.communicate(timeout=300)
+    assert racer.returncode == 0, err[-2000:]
+    assert int(out) > 0
+  assert os.listdir(tmp_path) == []   # nothing left behind: the workdir held only the lock
+
+
 def test_checkpoint_minutes_saves_by_the_clock(tmp_path):
   config = tiny_config(**{'train.steps': 12, 'train.checkpoint_every': 1000,
                           'train.checkpoint_minutes': 1e-9, 'train.keep_checkpoints': 100,

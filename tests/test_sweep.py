@@ -293,6 +293,23 @@ def test_a_before_run_is_its_own_config_and_the_points_name_its_workdir(tmp_path
   assert point.workdir == str(tmp_path / 'w' / 'runs' / 'rank=4')
 
 
+def test_a_torn_line_leaves_the_rest_of_a_points_rows(tmp_path):
+  """A run killed mid-write leaves half a line in metrics.jsonl: the point still counts as
+  finished and reports its evaluation (the torn line alone is left out)."""
+  from sweep.metrics import METRICS, PointFiles
+  from sweep.runner import Job
+  sweep = spec.load(_sweep_file(tmp_path, TRAIN_SWEEP))
+  job = Job(sweep, sweep.points[0], str(tmp_path / 'w'), {})
+  os.makedirs(job.workdir)
+  rows = [{'step': 2, 'loss': 5.0}, {'step': 6, 'loss': 4.0}, {'step': 6, 'eval_loss': 4.25}]
+  with open(os.path.join(job.workdir, 'metrics.jsonl'), 'w') as f:
+    f.write(''.join(json.dumps(r) + '\n' for r in rows) + '{"step": 8, "lo')
+  assert job.complete()
+  files = PointFiles(job.workdir, sweep.target, spec.config_of(sweep, sweep.points[0]))
+  assert files.rows() == rows
+  assert METRICS['final_loss'].read(files) == 4.25
+
+
 @pytest.mark.parametrize('command, point, metrics', [
     ('bench', "axis('precision', ['bf16_mixed'])", ('tokens_per_sec', 'mfu', 'compiled_gb')),
     ('plan', "axis('target', ['1xRTX4090-24GB'])", ('plan_step_s', 'plan_compiled_gb')),
