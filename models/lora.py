@@ -132,17 +132,18 @@ def check_targets(module: nnx.Module, spec: LoraSpec) -> list[str]:
   return matched
 
 
-def merge(module: nnx.Module) -> nnx.Module:
+def merge(module: nnx.Module, dtype=jnp.float32) -> nnx.Module:
   """Folds every adapter into its kernel (a quantized kernel is dequantized first) and removes
-  it, in place: the merged model has the adapted model's outputs and no adapters."""
+  it, in place: the merged model has the adapted model's outputs and no adapters. The sum is
+  computed in fp32 and stored in `dtype` (an export's own), whatever the base was stored in: a
+  bf16 base would otherwise round away every update below half a bf16 step."""
   for _, dense in nnx.iter_modules(module):
     if not isinstance(dense, Dense) or dense.lora is None:
       continue
     if isinstance(dense.kernel, QuantizedKernel):
       kernel = dense.kernel.dequantize_all(jnp.float32)
-      dtype = jnp.float32
     else:
-      kernel, dtype = dense.kernel[...], dense.kernel[...].dtype
+      kernel = dense.kernel[...]
     merged = (kernel.astype(jnp.float32) + dense.lora.update()).astype(dtype)
     dense.kernel = nnx.Param(merged, out_sharding=dense.kernel_axes(), eager_sharding=False)
     dense.lora = None

@@ -133,6 +133,10 @@ def test_a_length_the_context_axis_does_not_split_is_refused_in_one_line():
   message = str(refused.value)
   assert '\n' not in message
   assert 'train.seq_len=36' in message and 'mesh.context=4' in message and 'multiple of 8' in message
+  # Without a context axis any length is taken, an odd one too.
+  odd = config(8, **{'mesh': dict(stage=1, data=8, fsdp=1, context=1, tensor=1),
+                     'parallel.zero_stage': 0, 'train.seq_len': 127})
+  checks.check_config(odd, data_parallel=8, process_count=1, tokenizer_vocab=256, context=1)
 
 
 def test_a_checkpoint_moves_from_context_shards_to_one_device(tmp_path):

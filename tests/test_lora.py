@@ -96,6 +96,24 @@ def test_merged_logits_equal_the_adapted_logits(base_format):
   np.testing.assert_allclose(np.asarray(merged(tokens)), adapted, rtol=2e-5, atol=2e-5)
 
 
+def test_a_merge_keeps_an_update_below_half_a_bf16_step_of_a_bf16_base():
+  """The export's merge is computed in fp32 and stored in the export's dtype: a bf16 base's kernel
+  plus an update far below half its bf16 step comes out exactly as their fp32 sum."""
+  cfg = checks.model_config(tiny_config())
+  spec = ModelSpec(cfg, POLICIES['bf16'], 0, LoraSpec(4, 8.0, targets='.*'), None)
+  model = _model(spec, b_scale=1e-6)
+  dense = model.blocks.mlp.down
+  base, update = dense.kernel[...], dense.lora.update()
+  assert base.dtype == jnp.bfloat16
+  # Below half a bf16 step (2**-8 of each kernel entry's magnitude) nearly everywhere.
+  assert np.mean(np.abs(update) < np.abs(base.astype(jnp.float32)) * 2.0**-9) > 0.9
+  merge(model, jnp.float32)
+  merged = model.blocks.mlp.down.kernel[...]
+  assert merged.dtype == jnp.float32
+  np.testing.assert_array_equal(merged, base.astype(jnp.float32) + update)
+  assert np.mean(merged != base.astype(jnp.float32)) > 0.9   # rounded to bf16, nearly none would move
+
+
 def test_reference_logits_come_from_the_same_pass_with_adapters_off():
   cfg = checks.model_config(tiny_config())
   spec = ModelSpec(cfg, POLICIES['fp32'], 0, LoraSpec(4, 8.0))

@@ -115,6 +115,8 @@ def test_resuming_with_a_different_data_stream_is_refused_before_any_write(tmp_p
     ({'mesh.data': 3}, 'mesh .* has 3 devices but 8 are available'),
     ({'model.num_kv_heads': 0}, 'model.num_kv_heads=0; it must be a positive integer'),
     ({'train.b2': 1.5}, r'train.b2=1.5; it must be a number in \[0, 1\)'),
+    ({'train.steps': True}, 'train.steps=True; it must be a positive integer'),
+    ({'train.warmup_steps': False}, 'train.warmup_steps=False; it must be an integer >= 0'),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, message):
   workdir = tmp_path / 'w'

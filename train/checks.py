@@ -124,7 +124,7 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   for key in ('steps', 'batch_size', 'seq_len', 'microbatches', 'log_every', 'eval_every',
               'eval_tokens', 'checkpoint_every', 'keep_checkpoints', 'max_bad_steps'):
     value = train[key]
-    if not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ConfigError(f'train.{key}={value!r}; it must be a positive integer')
   ranges = {  # key: (test, what is allowed)
       'learning_rate': (lambda v: v > 0, 'a positive number'),
@@ -134,11 +134,12 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
       'b1': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
       'b2': (lambda v: 0 <= v < 1, 'a number in [0, 1)'),
       'grad_clip': (lambda v: v > 0, 'a positive number'),
-      'checkpoint_minutes': (lambda v: isinstance(v, (int, float)) and v >= 0,
+      'checkpoint_minutes': (lambda v: v >= 0,
                              'a number of minutes >= 0 (0: off)'),
   }
   for key, (ok, allowed) in ranges.items():
-    if not ok(train[key]):
+    value = train[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
       raise ConfigError(f'train.{key}={train[key]!r}; it must be {allowed}')
   if not isinstance(config.data.packing, bool):
     raise ConfigError(f'data.packing={config.data.packing!r}; it must be True (several documents '
@@ -151,7 +152,7 @@ def check_config(config, *, data_parallel: int, process_count: int, tokenizer_vo
   if train.seq_len > model.max_seq_len:
     raise ConfigError(f'train.seq_len={train.seq_len} is above the model maximum '
                       f'model.max_seq_len={model.max_seq_len}; use at most {model.max_seq_len}')
-  if train.seq_len % (2 * context):
+  if context > 1 and train.seq_len % (2 * context):
     raise ConfigError(f'train.seq_len={train.seq_len} does not split over mesh.context={context}: '
                       f'each sequence is cut into 2 x {context} = {2 * context} equal chunks (two '
                       f'per shard, models/context.py); use a multiple of {2 * context}')

@@ -8,6 +8,7 @@ GPT2LMHeadModel for a model with GPT-2's options. LoRA adapters are merged into 
 import os
 import sys
 
+import jax.numpy as jnp
 from absl import app, flags, logging
 from flax import nnx, traverse_util
 
@@ -25,12 +26,14 @@ _DTYPE = flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16', 'float16'
 _STEP = flags.DEFINE_integer('step', None, 'The checkpoint step; default the latest.')
 
 
-def merged_params(config, params: dict, frozen: dict) -> dict:
-  """The float parameters of the model with every adapter merged in and every LSQ kernel on its
-  learned grid (a pure dict): the weights the run's forward pass multiplies by."""
+def merged_params(config, params: dict, frozen: dict, dtype: str = 'float32') -> dict:
+  """The float parameters of the model with every adapter merged in (its kernel in `dtype`, the
+  export's) and every LSQ kernel on its learned grid (a pure dict): the weights the run's forward
+  pass multiplies by."""
   spec = checks.model_spec(config)
   graphdef = nnx.split(nnx.eval_shape(spec.build), spec.trainable, ...)[0]
-  model = bake_learned_grid(dequantize_weights(merge(nnx.merge(graphdef, params, frozen))))
+  merged = merge(nnx.merge(graphdef, params, frozen), jnp.dtype(dtype))
+  model = bake_learned_grid(dequantize_weights(merged))
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -38,7 +41,7 @@ def export_run(workdir: str, out_dir: str, dtype: str = 'float32', step: int | N
   from convert import export_hf
   config = run_config(workdir, default.get_config())
   params, frozen = restore_weights(workdir, config, step)
-  weights = merged_params(config, params, frozen)
+  weights = merged_params(config, params, frozen, dtype)
   training_only = ('amax_history', 'step_size')   # state of the training, not model weights
   weights = traverse_util.unflatten_dict({
       k: v for k, v in traverse_util.flatten_dict(weights).items() if not set(k) & set(training_only)})
