@@ -2,6 +2,7 @@
 a resume logs each step once (metrics.jsonl and TensorBoard); a signal during the first
 evaluation stops cleanly. Real `main.py` processes and checkpoints."""
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -101,6 +102,23 @@ def test_a_resume_logs_each_step_once_in_metrics_and_tensorboard(finished, tmp_p
            for _, event in event_records(path) for value in event.summary.value
            if value.tag == 'loss']
   assert sorted(steps) == list(range(1, 7))
+
+
+def test_a_finished_run_without_its_final_evaluation_writes_it_into_that_steps_row(finished,
+                                                                                 tmp_path):
+  """The last row kept its loss but lost its evaluation: the run evaluates again and writes one
+  row for step 6, with both."""
+  workdir, corpus = copy_of(finished, tmp_path)
+  rows = read_metrics(workdir)
+  assert rows[-1]['step'] == 6 and 'eval_loss' in rows[-1]
+  rows[-1] = {k: v for k, v in rows[-1].items() if not k.startswith('eval_')}
+  (workdir / 'metrics.jsonl').write_text(''.join(json.dumps(row) + '\n' for row in rows))
+  result = run(main_args(workdir, corpus, '--config.train.steps=6'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  again = read_metrics(workdir)
+  assert [row['step'] for row in again] == [row['step'] for row in rows]
+  assert again[:-1] == rows[:-1]
+  assert again[-1]['loss'] == rows[-1]['loss'] and 'eval_loss' in again[-1]
 
 
 def test_sigterm_during_the_first_evaluation_stops_cleanly(tmp_path):

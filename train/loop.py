@@ -8,6 +8,7 @@ the devices and never waits for a step. Each step's metrics stay on the device u
 step, evaluation or save, which reads them all at once (a step skipped for a non-finite loss is
 reported then). Each step is marked for the profiler (bench/profile.py)."""
 import dataclasses
+import os
 import time
 
 import jax
@@ -18,7 +19,7 @@ from memory.compiled import peak_device_memory
 from optim.adamw import learning_rate_schedule
 from precision.loss_scale import all_finite
 from train.feed import BatchFeed
-from train.metrics import MetricsWriter
+from train.metrics import MetricsWriter, read_rows
 from train.preemption import StopRequests
 from train.progress import Progress
 
@@ -46,8 +47,13 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
   installed signal handlers and wall-clock saves (train/preemption.py)."""
   train = s.config.train
   # Rows of the steps this run trains (again) are cut from the files first: a resume logs each
-  # step once. A fresh start evaluates step 0 again, so it keeps none.
-  metrics = MetricsWriter(workdir, enabled=is_main(), keep_before=start + 1 if start else 0)
+  # step once. A fresh start evaluates step 0 again, so it keeps none. A finished run whose final
+  # evaluation was not recorded writes that step's row again, whole, with the evaluation.
+  finishing = 0 < start == train.steps
+  logged = [row for row in read_rows(os.path.join(workdir, 'metrics.jsonl'))
+            if finishing and row.get('step') == start]
+  metrics = MetricsWriter(workdir, enabled=is_main(),
+                          keep_before=start if finishing else start + 1 if start else 0)
   learning_rate = learning_rate_schedule(train)
   with s.context():
     params_finite = jax.jit(all_finite)
@@ -74,7 +80,7 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
       eval_start = time.perf_counter()
       last_eval = evaluator(state, start)
       progress.evaluated(time.perf_counter() - eval_start)
-      metrics.write(start, last_eval)
+      metrics.write(start, {**(logged[-1] if logged else {}), **last_eval})
       if start == 0 and stops.stop_now(0):
         if is_main():
           tqdm.write(f'preempted   {stops.signal_name} during the step-0 evaluation: nothing was '
