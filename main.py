@@ -200,7 +200,8 @@ def main(argv):
                           gpu_target=compiled_target is not None)
   from data import DataError
   from train import checks, run
-  from train.checkpoint import CheckpointError
+  from parallel.peers import EXIT_LOST_PEER   # sysexits' EX_TEMPFAIL: start again
+  from train.checkpoint import CheckpointError, RestoreFailed
   from train.init_from import InitError
   from train.loop import NonFiniteError
   from train.workdir_lock import WorkdirBusy
@@ -236,6 +237,9 @@ def main(argv):
       else:
         run.train_and_evaluate(config, workdir)
       watch.done()
+  except RestoreFailed as e:   # not the checkpoint's fault: a temporary failure, start again
+    sys.stderr.write(f'error: {e}\n')
+    sys.exit(EXIT_LOST_PEER)
   except (checks.ConfigError, DataError, CheckpointError, InitError, WorkdirBusy,
           NonFiniteError) as e:
     sys.exit(f'error: {e}')

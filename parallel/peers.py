@@ -49,7 +49,7 @@ def _exit_lost(me: int, who: str, why: str, checkpoint_dir: str) -> None:
   os._exit(EXIT_LOST_PEER)
 
 
-def _client():
+def coordination_client():
   from jax._src import distributed   # the coordination client JAX's own multihost utils use
   return distributed.global_state.client
 
@@ -102,7 +102,7 @@ class PeerWatch:
     if not self._peers:
       return
     try:
-      _client().key_value_set(f'{_PREFIX}/done/{self._me}', '1', allow_overwrite=True)
+      coordination_client().key_value_set(f'{_PREFIX}/done/{self._me}', '1', allow_overwrite=True)
     except Exception:   # the others are gone already; nothing to tell them
       pass
 
@@ -111,7 +111,7 @@ class PeerWatch:
       _exit_lost(self._me, who, why, self.checkpoint_dir)
 
   def _beat(self) -> None:
-    client = _client()
+    client = coordination_client()
     count, now = 0, time.monotonic()
     last_seen = {peer: (None, now) for peer in self._peers}   # peer: (its counter, when it moved)
     while not self._stop.wait(self.interval_s):

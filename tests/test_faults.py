@@ -193,6 +193,68 @@ def test_a_broken_newest_checkpoint_is_reported_and_the_run_resumes_from_the_one
   assert _files(workdir / 'checkpoints-broken' / '6') == broken
 
 
+RESTORE_WITHOUT_FILE_DESCRIPTORS = """
+import os, resource, sys
+from tests.helpers import tiny_config
+from train import run
+from train.checkpoint import Checkpointer, RestoreFailed
+s = run.setup(tiny_config())
+checkpoints = Checkpointer(sys.argv[1], keep=3)
+open_now = len(os.listdir('/proc/self/fd'))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, open_now))   # no file opens from here on
+try:
+  checkpoints.restore_newest(s.layout.abstract, unpadded=s.layout.unpadded)
+except RestoreFailed as e:
+  print(e)
+"""
+
+
+def test_an_io_error_during_a_restore_changes_nothing_and_says_run_again(tmp_path, six_step_run):
+  """A real I/O failure (no file descriptor left: EMFILE) is no evidence against the checkpoint:
+  the newest one is neither set aside nor passed over, and the error says to retry."""
+  _, straight = six_step_run
+  workdir = _copy(straight, tmp_path)
+  before = _files(workdir)
+  result = subprocess.run([sys.executable, '-c', RESTORE_WITHOUT_FILE_DESCRIPTORS,
+                           str(workdir / 'checkpoints')], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'},
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith(f'{workdir}/checkpoints/6 could not be read (OSError: [Errno 24] ')
+  assert result.stdout.strip().endswith('nothing was changed: run the same command again to retry')
+  assert 'trying an older one' not in result.stdout
+  assert _files(workdir) == before and not (workdir / 'checkpoints-broken').exists()
+
+
+@pytest.mark.parametrize('error, broken', [
+    (FileNotFoundError(2, 'No such file or directory'), True),
+    (ValueError('DATA_LOSS: Error reading "params.w/0.0"'), True),
+    (ValueError('FAILED_PRECONDITION: Truncated Zstd-compressed data'), True),
+    (ValueError('UNAVAILABLE: Error reading "params.w/0.0": Input/output error'), False),
+    (ValueError('RESOURCE_EXHAUSTED: Out of memory'), False),
+    (OSError(5, 'Input/output error'), False),
+    (MemoryError(), False),
+])
+def test_only_evidence_against_a_checkpoint_counts_as_broken(error, broken):
+  from train.checkpoint import is_broken
+  wrapped = Exception('Encountered error while reading array index')   # as orbax wraps them
+  wrapped.__cause__ = error
+  assert is_broken(error) is broken and is_broken(wrapped) is broken
+
+
+def test_a_lost_peers_line_is_printed_during_a_restore(tmp_path):
+  """While a checkpoint is tried only orbax's own noise is held back: the watch's line for a lost
+  peer (written from its thread as the process leaves) reaches stderr."""
+  code = ('from parallel.peers import _exit_lost\n'
+          'from train.checkpoint import _quiet\n'
+          'with _quiet():\n'
+          f'  _exit_lost(0, "process 1", "no heartbeat for 10 s", {str(tmp_path)!r})\n')
+  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 75
+  assert result.stderr.strip().startswith('error: lost process 1 (no heartbeat for 10 s); process 0')
+
+
 def test_when_no_checkpoint_restores_the_run_stops_and_changes_nothing(tmp_path, six_step_run):
   config, straight = six_step_run
   workdir = _copy(straight, tmp_path)

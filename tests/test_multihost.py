@@ -17,6 +17,7 @@ from configs.layouts import layout_config
 from tests.test_run import ROOT, small_corpus
 from train import run
 from train.checkpoint import Checkpointer
+from train.metrics import truncate_jsonl
 
 STEPS = 3
 
@@ -95,6 +96,32 @@ def test_a_checkpoint_written_by_both_restores_on_another_mesh_in_one_process(ru
   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(reference)):
     # gloo sums in another order; Adam turns near-zero gradient differences into O(lr) ones.
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_file_only_one_process_reads_damaged_passes_over_that_step_for_both(tmp_path):
+  """Step 4's arrays written by process 1 are truncated: only process 1 reads them (its shards),
+  yet both processes pass over step 4 together, resume from step 2, and train to the end with the
+  first run's losses; step 4 is moved aside once."""
+  corpus = small_corpus(tmp_path)
+  workdir = tmp_path / 'two'
+  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
+  args += ['--config.train.steps=4', '--config.train.checkpoint_every=2']
+  both_processes(args)
+  first = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
+           if 'loss' in row}
+  damaged = sorted((workdir / 'checkpoints' / '4' / 'state').glob('ocdbt.process_1/d/*'))
+  assert damaged
+  for path in damaged:
+    path.write_bytes(path.read_bytes()[:10])
+  truncate_jsonl(str(workdir / 'metrics.jsonl'), keep_before=3)   # not finished: it restores
+  outputs = both_processes(args)
+  out = outputs[0][0]
+  assert f'checkpoint  {workdir}/checkpoints/4 does not restore (process 1: ' in out, out
+  assert 'resumed     from step 2' in out
+  assert sorted(os.listdir(workdir / 'checkpoints-broken')) == ['4', '4.digests.json']
+  again = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
+           if 'loss' in row}
+  assert again == first
 
 
 def test_pipeline_stages_spanning_two_processes_match_the_single_process_run(runs, tmp_path):

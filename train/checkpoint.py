@@ -10,16 +10,19 @@ cut or zero-padded to another's, once its true shape is known to be the target's
 
 Before anything is compiled or written, the newest checkpoint's `meta` and stored shapes are
 compared with the config's, so a workdir of a different model gives one clear error instead of an
-orbax traceback or a silently reinterpreted state. A checkpoint that then fails to restore
-(truncated or garbage files, files missing), or restores to other values than were saved (a
-digest of every array and of the data position, train/digest.py, is written beside each
-checkpoint in `checkpoints-digests/` and checked after each restore), is reported in one line and the next older one is tried; the broken ones are moved
-aside, never deleted.
+orbax traceback or a silently reinterpreted state. A checkpoint that then proves bad (truncated or
+garbage files, files missing, or values other than were saved: a digest of every array and of the
+data position, train/digest.py, is written beside each checkpoint in `checkpoints-digests/` and
+checked after each restore) is reported in one line and the next older one is tried; the broken
+ones are moved aside, never deleted. A failure that is no evidence against the checkpoint (an I/O
+error, memory) stops the restore with nothing changed, so that a retry reads it. With several
+processes every one tries the same steps, and they agree on each outcome before going on.
 """
 import contextlib
 import dataclasses
 import gc
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -36,12 +39,20 @@ from parallel.padding import path_name, true_shapes
 from train.digest import as_numbers, digest_arrays, first_mismatch, tree_digests
 
 
+_BARRIERS = 'checkpoints'   # the prefix of orbax's barrier names (one is met by hand: restore)
+
+
 class CheckpointError(ValueError):
   pass
 
 
 class DigestMismatch(RuntimeError):
   """A checkpoint decoded, but to other values than were saved."""
+
+
+class RestoreFailed(CheckpointError):
+  """A checkpoint could not be read for a reason that is not evidence against it (an I/O error,
+  memory): nothing was changed, and a retry may restore it."""
 
 
 @dataclasses.dataclass
@@ -69,8 +80,10 @@ class Checkpointer:
         self.directory,
         item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
                        'meta': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,
-                                             enable_async_checkpointing=True))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep, create=True, enable_async_checkpointing=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_BARRIERS)))
 
   def steps(self) -> list[int]:
     """Every committed checkpoint's step, newest first."""
@@ -181,21 +194,36 @@ class Checkpointer:
       if different is not None:
         raise CheckpointError(f'{self.path(step)}: {different[0]} has shape {different[1]} there '
                               f'but {different[2]} in this config')
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state, strict=same), data=ocp.args.JsonRestore()))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state, strict=same),
+          data=ocp.args.JsonRestore()))
+    except Exception:
+      # orbax ends a restore at a barrier of every process. One whose own shards failed to read
+      # never reaches it: it meets the others there, so that all go on to agree on the outcome.
+      ocp.multihost.sync_global_processes(
+          ocp.multihost.unique_barrier_key('Checkpointer:restore', prefix=_BARRIERS))
+      raise
     return restored['state'], restored['data']
 
-  def verify(self, step: int, state, data: dict, unpadded: dict | None = None) -> None:
-    """DigestMismatch when what was read differs from what was saved (by the digests written
-    beside it; a checkpoint without them, saved before they existed or killed before they were
-    written, is taken as it is)."""
+  def saved_digests(self, step: int) -> dict | None:
+    """The digests written beside checkpoint `step`; None for a checkpoint without them (saved
+    before they existed, or killed before they were written); DigestMismatch if they do not read."""
     try:
       with open(self.digest_path(step), encoding='utf-8') as f:
-        saved = json.load(f)
-    except FileNotFoundError:   # saved before digests existed, or killed before they were written
-      return
+        return json.load(f)
+    except FileNotFoundError:
+      return None
     except ValueError as e:
       raise DigestMismatch(f'its digests ({self.digest_path(step)}) do not read: {e}') from None
+
+  def verify(self, step: int, state, data: dict, unpadded: dict | None = None,
+             saved: dict | None = None) -> None:
+    """DigestMismatch when what was read differs from what was saved (`saved`: the digests, read
+    here if not given; a checkpoint without them is taken as it is)."""
+    saved = saved or self.saved_digests(step)
+    if saved is None:
+      return
     changed = first_mismatch(saved['arrays'], tree_digests(state, true_shapes(state, unpadded)))
     if changed is not None:
       raise DigestMismatch(f'{changed} differs from what was saved (its digest does not match)')
@@ -205,20 +233,36 @@ class Checkpointer:
 
   def restore_newest(self, abstract_state, accept_data=lambda data: None,
                      unpadded: dict | None = None) -> Restored:
-    """The newest checkpoint that restores. `accept_data(data)` may raise to refuse a stream
-    (that is an error of the config, not a broken checkpoint, so it is not skipped); `unpadded`
-    as `restore` takes it."""
+    """The newest checkpoint that restores. Only evidence that a checkpoint itself is bad
+    (`is_broken`) passes over it to an older one; any other failure (an I/O error, memory) raises
+    RestoreFailed and changes nothing. With several processes, all try the same steps and agree on
+    each outcome before going on (one process's damaged file passes over that step for all).
+    `accept_data(data)` may raise to refuse a stream (an error of the config, not a broken
+    checkpoint); `unpadded` as `restore` takes it."""
     broken = []
-    for step in self.steps():
+    steps = _agreed('restore/steps', self.steps)
+    for step in steps:
+      state = data = saved = error = None
       try:
         with _quiet():
           state, data = self.restore(step, abstract_state, unpadded)
-        self.verify(step, state, data, unpadded)
-      except Exception as e:   # orbax and tensorstore raise many kinds; every one means "broken"
-        broken.append((step, _one_line(e)))
-        if jax.process_index() == 0 and step != self.steps()[-1]:
-          print(f'checkpoint  {self.path(step)} does not restore ({broken[-1][1]}); '
-                f'trying an older one')
+        saved = self.saved_digests(step)
+      except Exception as e:
+        error = e
+      failed, why = _outcomes(f'restore/{step}', error)
+      if not failed and why is None:   # every process read it: they compute the digests together
+        try:
+          self.verify(step, state, data, unpadded, saved)
+        except DigestMismatch as e:
+          why = _one_line(e)
+      if failed:
+        raise RestoreFailed(
+            f'{self.path(step)} could not be read ({why}); that is no evidence the checkpoint is '
+            f'bad, so nothing was changed: run the same command again to retry')
+      if why is not None:
+        broken.append((step, why))
+        if jax.process_index() == 0 and step != steps[-1]:
+          print(f'checkpoint  {self.path(step)} does not restore ({why}); trying an older one')
         continue
       accept_data(data)
       return Restored(step, state, data, broken)
@@ -260,17 +304,22 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _quiet():
-  """A broken checkpoint is reported in one line. While one is tried, orbax's error logs and the
-  reports that its failed reads print from other threads (straight to file descriptor 2) are held
-  back; after a failure they are given a moment to drain."""
+  """A broken checkpoint is reported in one line. While one is tried, orbax's error logs are held
+  back, and so are the reports of its failed reads: exceptions left in its abandoned coroutines,
+  which Python prints as "Exception ignored in" when they are collected. Everything else (a lost
+  peer's line, XLA's fatal messages) is printed as ever. After a failure the reads are given a
+  moment to end and are collected while the filter is in place."""
   loggers = [logging.getLogger(name) for name in ('absl', 'asyncio')]
   levels = [logger.level for logger in loggers]
   for logger in loggers:
     logger.setLevel(logging.CRITICAL)
-  sys.stderr.flush()
-  saved_stderr = os.dup(2)
-  with open(os.devnull, 'w') as devnull:
-    os.dup2(devnull.fileno(), 2)
+  previous_hook = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _from_orbax(unraisable.exc_traceback):
+      previous_hook(unraisable)
+
+  sys.unraisablehook = hook
   try:
     yield
   except Exception:
@@ -278,17 +327,79 @@ def _quiet():
     gc.collect()
     raise
   finally:
-    sys.stderr.flush()
-    os.dup2(saved_stderr, 2)
-    os.close(saved_stderr)
+    sys.unraisablehook = previous_hook
     for logger, level in zip(loggers, levels):
       logger.setLevel(level)
+
+
+def _from_orbax(traceback) -> bool:
+  while traceback is not None:
+    if f'{os.sep}orbax{os.sep}' in traceback.tb_frame.f_code.co_filename:
+      return True
+    traceback = traceback.tb_next
+  return False
 
 
 _DRAIN_SECONDS = 1.0
 
 
+# tensorstore's codes for stored data that is not what its format says: truncated, garbage, absent.
+_DAMAGED = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION', 'INVALID_ARGUMENT')
+
+
+def is_broken(error: BaseException) -> bool:
+  """Whether `error`, raised while a checkpoint was read, is evidence that the checkpoint itself is
+  bad: a file missing, or one that does not decode (JSON, UTF-8, tensorstore's codes for damaged
+  data), arrays of other shapes than it describes, or values other than were saved. An I/O error,
+  an out-of-memory or anything else is not: a retry may read the same files."""
+  while error is not None:
+    if isinstance(error, (DigestMismatch, CheckpointError, FileNotFoundError, KeyError,
+                          json.JSONDecodeError, UnicodeDecodeError)):
+      return True
+    if type(error) is ValueError and str(error).partition(':')[0] in _DAMAGED:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+_AGREEMENTS = itertools.count()   # every process agrees on the same things in the same order
+_AGREE_TIMEOUT_MS = 3600 * 1000   # a lost process is found by parallel/peers.py long before
+
+
+def _agreed(name: str, decide):
+  """`decide()` on process 0, the same value (JSON) on every process."""
+  if jax.process_count() == 1:
+    return decide()
+  from parallel.peers import coordination_client
+  key = f'checkpoint/{next(_AGREEMENTS)}/{name}'
+  if jax.process_index() == 0:
+    coordination_client().key_value_set(key, json.dumps(decide()))
+  return json.loads(coordination_client().blocking_key_value_get(key, _AGREE_TIMEOUT_MS))
+
+
+def _outcomes(name: str, error: Exception | None) -> tuple[bool, str | None]:
+  """Every process's outcome of one attempt, agreed: (whether one failed for a reason that is no
+  evidence against the checkpoint, why), else (False, why one found it broken, or None)."""
+  kind = 'ok' if error is None else 'broken' if is_broken(error) else 'failed'
+  why = None if error is None else _one_line(error)
+  if jax.process_count() == 1:
+    return kind == 'failed', why
+  from parallel.peers import coordination_client
+  client, me = coordination_client(), jax.process_index()
+  key = f'checkpoint/{next(_AGREEMENTS)}/{name}'
+  client.key_value_set(f'{key}/{me}', json.dumps([kind, why]))
+  outcomes = [json.loads(client.blocking_key_value_get(f'{key}/{i}', _AGREE_TIMEOUT_MS))
+              for i in range(jax.process_count())]
+  for wanted in ('failed', 'broken'):
+    for i, (kind, why) in enumerate(outcomes):
+      if kind == wanted:
+        return wanted == 'failed', f'process {i}: {why}'
+  return False, None
+
+
 def _one_line(error: Exception) -> str:
+  while error.__cause__ is not None:   # what orbax wraps: tensorstore's own error, with its code
+    error = error.__cause__
   text = str(error).strip().splitlines()
   first = text[0] if text else ''
   return f'{type(error).__name__}: {first[:200]}'
