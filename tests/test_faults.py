@@ -255,6 +255,41 @@ def test_a_lost_peers_line_is_printed_during_a_restore(tmp_path):
   assert result.stderr.strip().startswith('error: lost process 1 (no heartbeat for 10 s); process 0')
 
 
+def test_a_host_arrays_digest_is_the_devices_in_any_number_of_pieces():
+  from train.digest import host_digest, tree_digests
+  x = np.random.default_rng(0).standard_normal((37, 5, 3)).astype(np.float32)
+  on_devices = tree_digests({'x': jax.numpy.asarray(x)})['x']
+  assert host_digest(x) == host_digest(x, chunk_bytes=4 * 15 * 4) == on_devices   # 4-row pieces
+  x[20, 1, 2] = np.nextafter(x[20, 1, 2], np.float32(np.inf))   # one ulp of one element
+  assert host_digest(x, chunk_bytes=4 * 15 * 4) != on_devices
+
+
+def test_init_from_a_run_whose_newest_checkpoint_is_bad_starts_from_the_one_before(
+    tmp_path, six_step_run, capsys):
+  """One weight of the source's step 6 no longer matches its saved digest: init_from=run: says so
+  as a resume would, and starts from step 4, the same weights as a source that never had step 6;
+  nothing of the source is moved or changed."""
+  config, straight = six_step_run
+  source = _copy(straight, tmp_path)
+  digests = source / 'checkpoints-digests' / '6.json'
+  record = json.loads(digests.read_text())
+  record['arrays']['params/blocks/mlp/down/kernel'] ^= 1
+  digests.write_text(json.dumps(record))
+  before = _files(source)
+  fine_tune = lambda src: tiny_config(**{'train.steps': 1, 'init_from': f'run:{src}',
+                                         'data.path': config.data.path})
+  run.train_and_evaluate(fine_tune(source), str(tmp_path / 'tuned'))
+  out = capsys.readouterr().out
+  assert (f'checkpoint  {source}/checkpoints/6 does not restore (DigestMismatch: '
+          f'params/blocks/mlp/down/kernel differs from what was saved') in out
+  assert f'init        base weights from run {source} step 4' in out
+  assert _files(source) == before
+  pinned = shutil.copytree(straight, tmp_path / 'pinned')
+  shutil.rmtree(pinned / 'checkpoints' / '6')
+  run.train_and_evaluate(fine_tune(pinned), str(tmp_path / 'from4'))
+  assert read_metrics(tmp_path / 'tuned')[0] == read_metrics(tmp_path / 'from4')[0]   # step 0
+
+
 def test_when_no_checkpoint_restores_the_run_stops_and_changes_nothing(tmp_path, six_step_run):
   config, straight = six_step_run
   workdir = _copy(straight, tmp_path)

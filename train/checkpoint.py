@@ -50,6 +50,10 @@ class DigestMismatch(RuntimeError):
   """A checkpoint decoded, but to other values than were saved."""
 
 
+NO_EVIDENCE = ('that is no evidence the checkpoint is bad, so nothing was changed: run the same '
+               'command again to retry')
+
+
 class RestoreFailed(CheckpointError):
   """A checkpoint could not be read for a reason that is not evidence against it (an I/O error,
   memory): nothing was changed, and a retry may restore it."""
@@ -249,16 +253,14 @@ class Checkpointer:
         saved = self.saved_digests(step)
       except Exception as e:
         error = e
-      failed, why = _outcomes(f'restore/{step}', error)
+      failed, why = agree_outcomes(f'restore/{step}', error)
       if not failed and why is None:   # every process read it: they compute the digests together
         try:
           self.verify(step, state, data, unpadded, saved)
         except DigestMismatch as e:
-          why = _one_line(e)
+          why = one_line(e)
       if failed:
-        raise RestoreFailed(
-            f'{self.path(step)} could not be read ({why}); that is no evidence the checkpoint is '
-            f'bad, so nothing was changed: run the same command again to retry')
+        raise RestoreFailed(f'{self.path(step)} could not be read ({why}); {NO_EVIDENCE}')
       if why is not None:
         broken.append((step, why))
         if jax.process_index() == 0 and step != steps[-1]:
@@ -377,11 +379,11 @@ def _agreed(name: str, decide):
   return json.loads(coordination_client().blocking_key_value_get(key, _AGREE_TIMEOUT_MS))
 
 
-def _outcomes(name: str, error: Exception | None) -> tuple[bool, str | None]:
+def agree_outcomes(name: str, error: Exception | None) -> tuple[bool, str | None]:
   """Every process's outcome of one attempt, agreed: (whether one failed for a reason that is no
   evidence against the checkpoint, why), else (False, why one found it broken, or None)."""
   kind = 'ok' if error is None else 'broken' if is_broken(error) else 'failed'
-  why = None if error is None else _one_line(error)
+  why = None if error is None else one_line(error)
   if jax.process_count() == 1:
     return kind == 'failed', why
   from parallel.peers import coordination_client
@@ -397,7 +399,7 @@ def _outcomes(name: str, error: Exception | None) -> tuple[bool, str | None]:
   return False, None
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
   while error.__cause__ is not None:   # what orbax wraps: tensorstore's own error, with its code
     error = error.__cause__
   text = str(error).strip().splitlines()

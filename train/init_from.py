@@ -1,5 +1,8 @@
 """Where a fresh run's weights come from (`init_from`): random (''), a local Hugging Face Llama or
-GPT-2 checkpoint ('hf:DIR'), or the latest checkpoint of an earlier run of ours ('run:DIR').
+GPT-2 checkpoint ('hf:DIR'), or the latest checkpoint of an earlier run of ours ('run:DIR'). A
+run's checkpoint is checked against the digests saved beside it as its tensors are read; one that
+proves bad is reported and passed over for the next older one, as a resume does, and nothing of
+the earlier run is moved or changed.
 
 The model's shape is the source's (read from its config.json before anything is built). The base
 weights are read and placed one tensor at a time, each straight into its sharding on the current
@@ -43,13 +46,24 @@ from parallel.sharding import (device_bytes, fit_to_shapes, logical_axes_tree,
                                shardings_for)
 from quant import lsq
 from quant.weights import quantize_parts
-from train.checkpoint import Checkpointer
+from train.checkpoint import (NO_EVIDENCE, Checkpointer, DigestMismatch, RestoreFailed,
+                              agree_outcomes, is_broken, one_line)
+from train.digest import host_digest
 
 KINDS = ('hf', 'run')
 
 
 class InitError(ValueError):
   pass
+
+
+class SourceDamaged(InitError):
+  """A checkpoint of the init_from run proved bad while its tensors were read; `older()` opens
+  the run's next older checkpoint (None: it has none)."""
+
+  def __init__(self, path: str, why: str, older):
+    super().__init__(f'{path} does not restore ({why})')
+    self.path, self.why, self.older = path, why, older
 
 
 @dataclasses.dataclass
@@ -123,7 +137,10 @@ def _hf_source(directory: str) -> Source:
                 check)
 
 
-def _run_source(workdir: str) -> Source:
+def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
+  """The earlier run's newest checkpoint of `steps` (default: all it has). Each tensor read is
+  checked against the digests saved beside the checkpoint; one that proves bad, here or as its
+  tensors are read (SourceDamaged), gives way to the next older one, as a resume's does."""
   config_path = os.path.join(workdir, 'config.json')
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isfile(config_path) or not os.path.isdir(directory):
@@ -135,15 +152,24 @@ def _run_source(workdir: str) -> Source:
     raise InitError(f'init_from=run:{workdir} is a LoRA run (lora.rank={saved["lora"]["rank"]}); '
                     f'export it merged (python -m train.export_hf) and use init_from=hf:DIR')
   checkpoints = Checkpointer(directory, keep=1 << 30)
-  step = checkpoints.latest_step()
-  # The true shapes of what the source's mesh stored padded (parallel/padding.py).
-  unpadded = ((checkpoints.read_meta(step) or {}).get('unpadded', {}) if step is not None else {})
-  checkpoints.close()
-  if step is None:
+  steps = checkpoints.steps() if steps is None else steps
+  if not steps:
+    checkpoints.close()
     raise InitError(f'init_from=run:{workdir}: {directory} holds no checkpoint')
-  state_dir = os.path.abspath(os.path.join(directory, str(step), 'state'))
-  stored = ocp.PyTreeCheckpointer().metadata(state_dir)
-  stored = getattr(stored, 'item_metadata', stored)['params']
+  step, path = steps[0], checkpoints.path(steps[0])
+  older = (lambda: _run_source(workdir, steps[1:])) if steps[1:] else None
+  state_dir = os.path.abspath(os.path.join(path, 'state'))
+  try:
+    # The true shapes of what the source's mesh stored padded (parallel/padding.py).
+    unpadded = (checkpoints.read_meta(step) or {}).get('unpadded', {})
+    digests = checkpoints.saved_digests(step)
+    stored = ocp.PyTreeCheckpointer().metadata(state_dir)
+    stored = getattr(stored, 'item_metadata', stored)['params']
+  except Exception as e:
+    _passed_over(path, e, older)
+    return older()
+  finally:
+    checkpoints.close()
 
   def true_shape(path, node) -> tuple:
     return tuple(unpadded.get('/'.join(('params',) + tuple(path)), node.shape))
@@ -158,9 +184,9 @@ def _run_source(workdir: str) -> Source:
                       f'{tuple(shape)} in this config')
     return node
 
-  def reader(path, abstract):
-    # Restored to the host (in the dtype it was saved in, then cast there), so that the devices
-    # get one layer at a time, never the whole stacked tensor in floats.
+  def read_verified(path, abstract) -> np.ndarray:
+    """The tensor restored to the host in the dtype it was saved in, cut to its true shape, and
+    checked against its saved digest."""
     node = check(path, abstract.shape)
     item = {'params': traverse_util.unflatten_dict({path: jax.ShapeDtypeStruct(node.shape,
                                                                                 node.dtype)})}
@@ -169,11 +195,49 @@ def _run_source(workdir: str) -> Source:
     restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
         item=item, restore_args=restore_args, partial_restore=True))
     host = np.asarray(traverse_util.flatten_dict(restored['params'])[path])
-    host = host[tuple(slice(0, n) for n in abstract.shape)].astype(abstract.dtype)   # no padding
-    return functools.partial(_from_host, host, abstract)
+    host = host[tuple(slice(0, n) for n in abstract.shape)]   # no padding
+    name = '/'.join(('params', *path))
+    if digests and name in digests['arrays'] and host_digest(host) != digests['arrays'][name]:
+      raise DigestMismatch(f'{name} differs from what was saved (its digest does not match)')
+    return host
+
+  def reader(tensor, abstract):
+    # Every process reads and checks the tensor, and all agree on the outcome before any places it
+    # (a collective): one process's bad read passes over the checkpoint for all.
+    host = error = None
+    try:
+      host = read_verified(tensor, abstract)
+    except InitError:
+      raise
+    except Exception as e:
+      error = e
+    failed, why = agree_outcomes(f'init_from/{step}/{"/".join(tensor)}', error)
+    if failed:
+      raise RestoreFailed(f'{path} could not be read ({why}); ' + NO_EVIDENCE)
+    if why is not None:
+      raise SourceDamaged(path, why, older)
+    # Cast on the host, so that the devices get one layer at a time, never the whole stacked
+    # tensor in floats.
+    return functools.partial(_from_host, host.astype(abstract.dtype), abstract)
 
   return Source(f'run {os.path.abspath(workdir)} step {step}', dict(saved['model']), reader,
                 check)
+
+
+def _passed_over(path: str, error: Exception, older) -> None:
+  """Report a checkpoint of the init_from run that proved bad, before its older one is tried;
+  raise if there is none, or if `error` is no evidence against it."""
+  if isinstance(error, SourceDamaged):
+    why = error.why
+  elif is_broken(error):
+    why = one_line(error)
+  else:
+    raise RestoreFailed(f'{path} could not be read ({one_line(error)}); {NO_EVIDENCE}') from error
+  if older is None:
+    raise InitError(f'{path} does not restore ({why}), and the run has no older checkpoint; '
+                    f'nothing was changed: restore its files, or start from another')
+  if jax.process_index() == 0:
+    print(f'checkpoint  {path} does not restore ({why}); trying an older one')
 
 
 def apply_model_fields(config, source: Source) -> None:
@@ -384,7 +448,18 @@ def fresh_state(s, source: Source | None = None) -> dict:
   (LoRA, QLoRA) is drawn a layer at a time (random_source), never whole."""
   if source is None and 'frozen' not in s.layout.abstract:
     return s.layout.create()
-  return initial_state(s, source or random_source(s))
+  return state_from(s, source or random_source(s))[0]
+
+
+def state_from(s, source: Source) -> tuple[dict, Source]:
+  """(the state made from `source`, the source it came from): a run's checkpoint that proves bad
+  as it is read gives way to its next older one."""
+  while True:
+    try:
+      return initial_state(s, source), source
+    except SourceDamaged as e:
+      _passed_over(e.path, e, e.older)
+      source = e.older()
 
 
 def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, stored) -> jax.Array:

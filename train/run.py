@@ -451,9 +451,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if restored is None:
       checkpoints = checkpoints or Checkpointer(os.path.join(workdir, 'checkpoints'),
                                                 keep=train.keep_checkpoints)
-      state, start = init_from.fresh_state(s, source), 0
-      if source is not None and is_main():
-        print(f'init        base weights from {source.description}')
+      if source is None:
+        state, start = init_from.fresh_state(s), 0
+      else:
+        (state, source), start = init_from.state_from(s, source), 0
+        if is_main():
+          print(f'init        base weights from {source.description}')
     else:
       state, start = restored.state, restored.step
       _report_restored(restored, checkpoints)
