@@ -244,6 +244,8 @@ def main(argv):
           NonFiniteError) as e:
     sys.exit(f'error: {e}')
   print(f'outputs     {os.path.abspath(workdir)}')
+  from parallel import distributed
+  distributed.finish()
 
 
 if __name__ == '__main__':

@@ -9,7 +9,9 @@ simulated devices, as a user would) and keeps the figures of each `memory.json`:
   python -m bench.figures --against=bench/results/figures.json    # compare; exit 1 if any moved
 
 Compiled figures belong to one compiler: a file recorded under another jax version is refused
-rather than compared.
+rather than compared. Each stack the project runs on has its own record: figures.json (jax
+0.10.2, the pins), figures-jax0.11.2.json and figures-jax0.12.0.1.json (record one with that
+stack's python and `--out`); tests/test_figures.py checks the one of the running jax.
 """
 import glob
 import json

@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from parallel import coordinator
 from parallel.peers import jax_heartbeat_timeout
 
 
@@ -62,21 +63,50 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
                process_id: int | None, timeout_s: int, peer_timeout_s: float = 60) -> None:
   """Explicit flags, or (all None) what SLURM / Open MPI provide.
 
-  Process 0 hosts the coordinator; if the others never arrive, JAX's client aborts it after
-  `timeout_s` with its own message (that abort cannot be caught from Python). A peer lost later is
+  With explicit flags the coordination service runs in a process of its own that process 0 starts
+  (parallel/coordinator.py), else in process 0; if the others never arrive, JAX's client aborts
+  process 0 after `timeout_s` with its own message (that abort cannot be caught from Python). A peer lost later is
   found by parallel/peers.py's watch within `peer_timeout_s`; JAX's own heartbeat timeout, whose
   expiry aborts the process, is set well beyond it."""
   check_flags(coordinator_address, num_processes, process_id, timeout_s)
   if not peer_timeout_s >= 1:
     raise CoordinatorError(f'--peer_timeout={peer_timeout_s:g}; it must be at least 1 second')
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')   # CPU processes talk over TCP
-  if coordinator_address and process_id:
+  heartbeat_timeout_s = jax_heartbeat_timeout(peer_timeout_s)
+  bind = None
+  if coordinator_address and process_id == 0 and num_processes > 1:
+    # The service in a process of its own (parallel/coordinator.py), so that losing process 0 is
+    # a lost peer like any other; this process's JAX binds a stand-in that nobody joins.
+    port = int(coordinator_address.rpartition(':')[2])
+    if not coordinator.port_is_free(port):
+      raise CoordinatorError(
+          f'--coordinator_address={coordinator_address}: port {port} is in use here (the '
+          f'coordinator of a job whose process 0 was lost stays up to {heartbeat_timeout_s} s, '
+          f'for its other processes to leave); wait, or give another port')
+    global _SERVICE
+    _SERVICE = coordinator.start(coordinator_address, num_processes, heartbeat_timeout_s,
+                                 linger_s=heartbeat_timeout_s)
+    bind = coordinator.free_local_address()
+  if coordinator_address and num_processes > 1:
     wait_for_coordinator(coordinator_address, timeout_s)
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
                                initialization_timeout=timeout_s,
-                               heartbeat_timeout_seconds=jax_heartbeat_timeout(peer_timeout_s))
+                               heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               coordinator_bind_address=bind)
   except ValueError as e:   # e.g. a cluster JAX cannot read the coordinator from
     raise CoordinatorError(f'could not start multi-host JAX: {e}') from None
+
+
+_SERVICE = None   # process 0's coordination service process, with explicit flags
+
+
+def finish() -> None:
+  """The run ended well: pass JAX's shutdown barrier with the others, then let the coordination
+  service go (parallel/coordinator.py)."""
+  if jax.process_count() > 1:
+    jax.distributed.shutdown()
+  if _SERVICE is not None:
+    coordinator.finished(_SERVICE)
 

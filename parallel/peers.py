@@ -14,11 +14,12 @@ collective, and nothing more may be written). JAX's own heartbeat timeout is set
 
 A collective that fails with an error instead of hanging (gloo sees the peer's connection reset)
 is held while the watch decides: a lost peer ends the process as above, anything else is raised.
-What this cannot catch: when the coordinator (process 0) itself dies, JAX's coordination client in
-every other process sees its service gone within a second and aborts the process (SIGABRT, JAX's
-own message and a stack dump) before any watch can speak. Its callback for that case cannot be
-given from Python in the JAX versions we support (jax 0.10's binding fails to pass it the error).
-The workdir is intact all the same; the same command resumes.
+The coordinator (process 0) is watched like any other: with explicit flags the coordination
+service runs in a process of its own (parallel/coordinator.py), so the store keeps answering when
+process 0 dies. Without them (SLURM / Open MPI, where JAX finds the coordinator itself) the service
+lives in process 0, and losing it still aborts every other process (SIGABRT and JAX's dump: jaxlib
+cannot hand that error to a Python callback). The workdir is intact either way; the same command
+resumes.
 
 A process that ends normally marks itself done first, so that peers still finishing (saving, or
 printing the sample) do not take it for lost; one that ends with an error does not, so its peers

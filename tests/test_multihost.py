@@ -205,11 +205,14 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_p
   assert int(state['step']) == step and data['step'] == step
 
 
-def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_resume(tmp_path):
-  """Process 1 is killed (SIGKILL) after the first checkpoint; process 0 stops within
-  --peer_timeout with one line and exit code 75, writing nothing more. Both started again resume
-  from the checkpoint: the steps trained twice have the same losses both times (one program on
-  CPU devices is deterministic), and the run finishes."""
+@pytest.mark.parametrize('victim', [1, 0])
+def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_resume(tmp_path,
+                                                                                      victim):
+  """A process is killed (SIGKILL) after the first checkpoint, process 1 or the coordinator's
+  process 0 (the coordination service lives on in its own process, parallel/coordinator.py); the
+  other stops within --peer_timeout with one line and exit code 75, writing nothing more. Both
+  started again resume from the checkpoint: the steps trained twice have the same losses both
+  times (one program on CPU devices is deterministic), and the run finishes."""
   from parallel.peers import EXIT_LOST_PEER
   from tests.test_faults import wait_for_step
   corpus = small_corpus(tmp_path)
@@ -225,19 +228,20 @@ def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_
                              stderr=subprocess.PIPE, text=True) for i in range(2)]
 
   procs = start_both()
+  survivor = 1 - victim
   wait_for_step(workdir, procs[0], 6)   # past the checkpoint at 4
-  procs[1].send_signal(signal.SIGKILL)
+  procs[victim].send_signal(signal.SIGKILL)
   killed_at = time.monotonic()
-  out, err = procs[0].communicate(timeout=120)
+  out, err = procs[survivor].communicate(timeout=120)
   stopped_after = time.monotonic() - killed_at
-  procs[1].communicate()
-  assert procs[0].returncode == EXIT_LOST_PEER, err[-3000:]
+  procs[victim].communicate()
+  assert procs[survivor].returncode == EXIT_LOST_PEER, err[-3000:]
   assert stopped_after < 10 + 10, stopped_after   # the timeout and a few heartbeats
   assert 'Traceback' not in err and 'Fatal Python error' not in err
   newest = max(int(name) for name in os.listdir(workdir / 'checkpoints') if name.isdigit())
   assert err.strip().splitlines()[-1] == (
-      f'error: lost process 1 (no heartbeat for 10 s); process 0 stops without writing anything '
-      f'more (exit code {EXIT_LOST_PEER}); newest checkpoint: step {newest} in '
+      f'error: lost process {victim} (no heartbeat for 10 s); process {survivor} stops without '
+      f'writing anything more (exit code {EXIT_LOST_PEER}); newest checkpoint: step {newest} in '
       f'{workdir}/checkpoints; start every process again with the same command to resume from it')
   first = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
            if 'loss' in row}
