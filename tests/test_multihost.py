@@ -3,6 +3,7 @@ one pipeline whose stages span both, and with each sequence split across both; o
 killed, the other stops in bounded time."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,6 +97,24 @@ def test_a_checkpoint_written_by_both_restores_on_another_mesh_in_one_process(ru
   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(reference)):
     # gloo sums in another order; Adam turns near-zero gradient differences into O(lr) ones.
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_of_two_processes_resumes_on_one_with_fewer_devices(runs, tmp_path):
+  """The two-process run (2 x 4 devices), given two more steps, goes on in one process on 2
+  devices: it restores the checkpoint both wrote, trains on, and evaluates at the end."""
+  _, shared, _ = runs
+  workdir = tmp_path / 'two'
+  shutil.copytree(shared, workdir)
+  corpus = json.load(open(workdir / 'config.json'))['data']['path']
+  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
+  result = subprocess.run(args + [f'--config.train.steps={STEPS + 2}', '--host_devices=2'],
+                          cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'resumed     from step {STEPS}' in result.stdout
+  rows = [row for row in map(json.loads, open(workdir / 'metrics.jsonl'))]
+  assert [r['step'] for r in rows if 'loss' in r] == list(range(1, STEPS + 3))
+  assert rows[-1]['step'] == STEPS + 2 and 'eval_loss' in rows[-1]
 
 
 def test_a_file_only_one_process_reads_damaged_passes_over_that_step_for_both(tmp_path):
