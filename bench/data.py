@@ -45,6 +45,7 @@ from data import PreparedData, TokenBatches, Windows
 from data.corpus import list_files
 from data.records import FORMATS
 from data.prepare import prepare
+from train.metrics import read_rows
 
 
 def _bpe_tokenizer(directory: str) -> str:
@@ -255,8 +256,7 @@ def _run_curve(workdir: str) -> dict:
       glob.glob(os.path.join(workdir, 'data', '*', 'index.json'))[0]
   prepared = PreparedData(os.path.dirname(index))
   per_token = prepared.bytes_per_token('train')
-  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
-    rows = [json.loads(line) for line in f]
+  rows = read_rows(os.path.join(workdir, 'metrics.jsonl'))
   tokens_per_step = config['train']['batch_size'] * config['train']['seq_len']
   return {'run': workdir, 'tokenizer': config['data']['tokenizer'],
           'vocab_size': config['model']['vocab_size'], 'train_bytes_per_token': per_token,

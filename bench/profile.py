@@ -52,6 +52,7 @@ from bench.gpu_kernels import (device_events, kernel_instruction, kernel_time, p
                                slowest_kernels, without_command_buffers)
 from bench.hlo_ops import KINDS, REGIONS, describe_instructions
 from bench.trace import read_trace, union_us
+from train.metrics import read_rows
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Traced steps (after the warm-up).')
@@ -172,8 +173,7 @@ def profile_loop(config, steps: int, warmup: int, trace_dir: str) -> dict:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
       run.train_and_evaluate(config, workdir)
     jax.profiler.stop_trace()
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      rows = {r['step']: r for r in map(json.loads, f)}
+    rows = {r['step']: r for r in read_rows(os.path.join(workdir, 'metrics.jsonl'))}
   return {'tokens_per_sec': rows[total]['tokens_per_sec'], 'steps': steps}
 
 

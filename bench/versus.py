@@ -37,6 +37,7 @@ import time
 from absl import app, flags
 
 from bench.measure import SHAPES, our_config, our_overrides
+from train.metrics import read_rows
 
 PROGRAMS = ('torch', 'torch_compile', 'plain_jax', 'ours_step', 'ours_loop')
 _SHAPE = flags.DEFINE_enum('shape', 'issue', list(SHAPES), 'Model and batch shape.')
@@ -174,8 +175,7 @@ class OurLoop:
     if not self.data_path:   # later rounds read the first one's prepared cache
       cache = os.path.join(workdir, 'data')
       self.data_path = os.path.join(cache, os.listdir(cache)[0])
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      rows = {r['step']: r for r in map(json.loads, f)}
+    rows = {r['step']: r for r in read_rows(os.path.join(workdir, 'metrics.jsonl'))}
     last = rows[warmup + steps]
     return {'seconds': steps * tokens / last['tokens_per_sec'], 'loss': last['loss']}
 

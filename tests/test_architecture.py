@@ -112,3 +112,19 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path, monkeypatch):
     except AssertionError:
       continue
     raise AssertionError(f'{test.__name__} passed on a broken graph')
+
+
+def test_metrics_jsonl_is_read_in_one_place():
+  """Every reader of a run's metrics.jsonl goes through train/metrics.py:read_rows, which leaves
+  out a torn line; a second reader that opens the file itself would drift from it."""
+  readers = []
+  for module, path in project_modules().items():
+    if module == 'train.metrics':
+      continue
+    with open(path, encoding='utf-8') as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'open' and any(
+          isinstance(n, ast.Constant) and n.value == 'metrics.jsonl' for n in ast.walk(node)):
+        readers.append(f'{module}:{node.lineno}')
+  assert readers == []

@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from train.metrics import read_rows
+
 GIB = 1024**3
 
 
@@ -16,8 +18,10 @@ def _read(workdir: str, name: str):
   path = os.path.join(workdir, name)
   if not os.path.isfile(path):
     return None
+  if name.endswith('.jsonl'):
+    return read_rows(path)
   with open(path) as f:
-    return [json.loads(line) for line in f] if name.endswith('.jsonl') else json.load(f)
+    return json.load(f)
 
 
 def row(workdir: str) -> dict:

@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags
 
+from train.metrics import read_rows
+
 _TIMEOUTS = flags.DEFINE_list('peer_timeouts', ['10', 'default'],
                               '--peer_timeout values to try ("default": the flag left out).')
 _OUT = flags.DEFINE_string('out', 'bench/results/lost_coordinator.json', 'Where to write.')
@@ -41,11 +43,8 @@ def _corpus(folder: str) -> str:
 
 
 def _logged_step(workdir: str) -> int:
-  try:
-    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-      return max((row['step'] for row in map(json.loads, f) if 'loss' in row), default=0)
-  except (OSError, ValueError):
-    return 0
+  rows = read_rows(os.path.join(workdir, 'metrics.jsonl'))
+  return max((row['step'] for row in rows if 'loss' in row), default=0)
 
 
 def lose_process_0(peer_timeout: str) -> dict:

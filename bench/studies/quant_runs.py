@@ -9,10 +9,11 @@ import json
 import os
 import sys
 
+from train.metrics import read_rows
+
 
 def _last_eval(workdir: str) -> float:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
+  rows = read_rows(os.path.join(workdir, 'metrics.jsonl'))
   return [r for r in rows if 'eval_loss' in r][-1]['eval_loss']
 
 
