@@ -4,13 +4,15 @@ JAX's coordination client aborts the whole process (a C++ check failure, not a P
 when it cannot reach the coordinator, so a process that is not the coordinator first checks that
 the address accepts connections, retrying until the timeout, and fails with a plain message.
 """
+import atexit
+import functools
 import os
 import socket
 import time
 
 import jax
 
-from parallel import coordinator
+from parallel import coordinator, peers
 from parallel.peers import jax_heartbeat_timeout
 
 
@@ -28,12 +30,17 @@ def launched_as_several_tasks() -> bool:
   return False
 
 
-def wait_for_coordinator(address: str, timeout_s: float) -> None:
+def wait_for_coordinator(address: str, timeout_s: float, service=None) -> None:
+  """Until `address` accepts connections; `service`: process 0's own service process, whose
+  failure to start is reported at once."""
   host, _, port = address.rpartition(':')
   if not host or not port.isdigit():
     raise CoordinatorError(f'--coordinator_address={address!r}; give it as host:port, e.g. 10.0.0.1:1234')
   deadline = time.monotonic() + timeout_s
   while True:
+    why = service is not None and coordinator.failed(service)
+    if why:
+      raise CoordinatorError(f'the coordination service for {address} did not start: {why}')
     try:
       with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
         return
@@ -78,17 +85,25 @@ def initialize(coordinator_address: str | None, num_processes: int | None,
     # The service in a process of its own (parallel/coordinator.py), so that losing process 0 is
     # a lost peer like any other; this process's JAX binds a stand-in that nobody joins.
     port = int(coordinator_address.rpartition(':')[2])
+    deadline = time.monotonic() + heartbeat_timeout_s + 10
     if not coordinator.port_is_free(port):
-      raise CoordinatorError(
-          f'--coordinator_address={coordinator_address}: port {port} is in use here (the '
-          f'coordinator of a job whose process 0 was lost stays up to {heartbeat_timeout_s} s, '
-          f'for its other processes to leave); wait, or give another port')
+      print(f'coordinator port {port} is in use: waiting up to {heartbeat_timeout_s + 10} s for '
+            f'it (a lost process 0\'s service stays that long for its other processes to leave)',
+            flush=True)
+      while not coordinator.port_is_free(port):
+        if time.monotonic() > deadline:
+          raise CoordinatorError(f'--coordinator_address={coordinator_address}: port {port} is '
+                                 f'still in use; give another port')
+        time.sleep(1.0)
     global _SERVICE
     _SERVICE = coordinator.start(coordinator_address, num_processes, heartbeat_timeout_s,
                                  linger_s=heartbeat_timeout_s)
+    leave = functools.partial(coordinator.finished, _SERVICE)   # leaving in order, however
+    atexit.register(leave)
+    peers.BEFORE_EXIT.append(leave)
     bind = coordinator.free_local_address()
   if coordinator_address and num_processes > 1:
-    wait_for_coordinator(coordinator_address, timeout_s)
+    wait_for_coordinator(coordinator_address, timeout_s, _SERVICE)
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,

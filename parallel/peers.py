@@ -33,6 +33,7 @@ import time
 import jax
 
 EXIT_LOST_PEER = 75   # sysexits' EX_TEMPFAIL: a temporary failure; start the job again
+BEFORE_EXIT = []      # what must run before a lost peer ends this process (parallel/distributed.py)
 _PREFIX = 'peer_watch'
 
 
@@ -47,6 +48,8 @@ def _exit_lost(me: int, who: str, why: str, checkpoint_dir: str) -> None:
                    f'more (exit code {EXIT_LOST_PEER}); newest checkpoint: {newest}; start every '
                    f'process again with the same command to resume from it\n')
   sys.stderr.flush()
+  for leave in BEFORE_EXIT:   # os._exit runs no atexit hooks
+    leave()
   os._exit(EXIT_LOST_PEER)
 
 

@@ -200,8 +200,14 @@ from train import run
 from train.checkpoint import Checkpointer, RestoreFailed
 s = run.setup(tiny_config())
 checkpoints = Checkpointer(sys.argv[1], keep=3)
-open_now = len(os.listdir('/proc/self/fd'))
-resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, open_now))   # no file opens from here on
+limit = max(map(int, os.listdir('/proc/self/fd'))) + 8
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+held = []
+while True:   # every descriptor below the limit taken: no file opens from here on
+  try:
+    held.append(os.open(os.devnull, os.O_RDONLY))
+  except OSError:
+    break
 try:
   checkpoints.restore_newest(s.layout.abstract, unpadded=s.layout.unpadded)
 except RestoreFailed as e:
@@ -220,26 +226,36 @@ def test_an_io_error_during_a_restore_changes_nothing_and_says_run_again(tmp_pat
                           env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'},
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.startswith(f'{workdir}/checkpoints/6 could not be read (OSError: [Errno 24] ')
+  assert result.stdout.startswith(f'{workdir}/checkpoints/6 could not be read ('), result.stdout
+  # Which read fails first (orbax's metadata, a data file) depends on the machine; each is named.
+  assert 'OSError: [Errno ' in result.stdout or 'RESOURCE_EXHAUSTED' in result.stdout
   assert result.stdout.strip().endswith('nothing was changed: run the same command again to retry')
   assert 'trying an older one' not in result.stdout
   assert _files(workdir) == before and not (workdir / 'checkpoints-broken').exists()
 
 
-@pytest.mark.parametrize('error, broken', [
-    (FileNotFoundError(2, 'No such file or directory'), True),
-    (ValueError('DATA_LOSS: Error reading "params.w/0.0"'), True),
-    (ValueError('FAILED_PRECONDITION: Truncated Zstd-compressed data'), True),
-    (ValueError('UNAVAILABLE: Error reading "params.w/0.0": Input/output error'), False),
-    (ValueError('RESOURCE_EXHAUSTED: Out of memory'), False),
-    (OSError(5, 'Input/output error'), False),
-    (MemoryError(), False),
+@pytest.mark.parametrize('error, broken, temporary', [
+    (FileNotFoundError(2, 'No such file or directory'), True, False),
+    (ValueError('DATA_LOSS: Error reading "params.w/0.0"'), True, False),
+    (ValueError('FAILED_PRECONDITION: Truncated Zstd-compressed data'), True, False),
+    (ValueError('Found incomplete checkpoint at /w/checkpoints/6.'), True, False),
+    (ValueError('UNAVAILABLE: Error reading "params.w/0.0": Input/output error'), False, True),
+    (ValueError('RESOURCE_EXHAUSTED: Out of memory'), False, True),
+    (OSError(5, 'Input/output error'), False, True),
+    (MemoryError(), False, True),
+    (TypeError("restore() got an unexpected keyword argument 'strict'"), False, False),
 ])
-def test_only_evidence_against_a_checkpoint_counts_as_broken(error, broken):
-  from train.checkpoint import is_broken
+def test_only_evidence_against_a_checkpoint_counts_as_broken(error, broken, temporary):
+  """Evidence passes over a checkpoint; a failure that a retry may pass exits 75; anything else
+  stops with exit 1. What an error was raised *while handling* is no evidence: only its causes."""
+  from train.checkpoint import is_broken, is_temporary
   wrapped = Exception('Encountered error while reading array index')   # as orbax wraps them
   wrapped.__cause__ = error
-  assert is_broken(error) is broken and is_broken(wrapped) is broken
+  for e in (error, wrapped):
+    assert is_broken(e) is broken and (is_temporary(e) is temporary or broken)
+  during = OSError(5, 'Input/output error')   # raised while a cache miss was handled
+  during.__context__ = KeyError('params')
+  assert not is_broken(during) and is_temporary(during)
 
 
 def test_a_lost_peers_line_is_printed_during_a_restore(tmp_path):
@@ -259,9 +275,9 @@ def test_a_host_arrays_digest_is_the_devices_in_any_number_of_pieces():
   from train.digest import host_digest, tree_digests
   x = np.random.default_rng(0).standard_normal((37, 5, 3)).astype(np.float32)
   on_devices = tree_digests({'x': jax.numpy.asarray(x)})['x']
-  assert host_digest(x) == host_digest(x, chunk_bytes=4 * 15 * 4) == on_devices   # 4-row pieces
+  assert host_digest(x) == host_digest(x, chunk_elements=4 * 15) == on_devices   # 4-row pieces
   x[20, 1, 2] = np.nextafter(x[20, 1, 2], np.float32(np.inf))   # one ulp of one element
-  assert host_digest(x, chunk_bytes=4 * 15 * 4) != on_devices
+  assert host_digest(x, chunk_elements=4 * 15) != on_devices
 
 
 def test_init_from_a_run_whose_newest_checkpoint_is_bad_starts_from_the_one_before(

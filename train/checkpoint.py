@@ -20,6 +20,7 @@ processes every one tries the same steps, and they agree on each outcome before 
 """
 import contextlib
 import dataclasses
+import errno
 import gc
 import hashlib
 import itertools
@@ -138,7 +139,7 @@ class Checkpointer:
     """The checkpoint's `meta` item; None for a checkpoint written before it existed."""
     if not os.path.isdir(os.path.join(self.path(step), 'meta')):
       return None
-    with _quiet():
+    with meeting_orbax_barrier(), _quiet():
       return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
   def check_compatible(self, step: int, abstract_state, meta: dict) -> None:
@@ -178,48 +179,59 @@ class Checkpointer:
     if stored_meta is None:
       stored_meta = self.read_meta(step) or {}
     with _quiet():   # reads every array's metadata: a broken checkpoint fails here first
-      stored = _shapes(self._manager.item_metadata(step)['state'], stored_meta.get('unpadded'))
+      stored = _shapes(self._state_metadata(step), stored_meta.get('unpadded'))
     wanted = _shapes(abstract_state, unpadded)
     for name in sorted(set(stored) | set(wanted)):
       if stored.get(name) != wanted.get(name):
         return name, stored.get(name), wanted.get(name)
     return None
 
+  def _state_metadata(self, step: int):
+    """The stored arrays' metadata. orbax answers a read that failed (no file descriptor left, an
+    unreadable folder) with no items at all: a `state` folder that is there but was not read is no
+    evidence against the checkpoint, and is raised as the I/O error it is."""
+    items = self._manager.item_metadata(step)
+    if 'state' in items and items['state'] is not None:
+      return items['state']
+    folder = os.path.join(self.path(step), 'state')
+    if os.path.isdir(folder):
+      raise OSError(errno.EIO, f'orbax read no metadata from {folder}, which is there')
+    raise FileNotFoundError(errno.ENOENT, f'{folder} is missing')
+
   def restore(self, step: int, abstract_state, unpadded: dict | None = None) -> tuple[object, dict]:
     """(train state placed as `abstract_state`'s shardings say (any mesh), data iterator state).
     `unpadded`: the true shapes of the target's padded arrays (train/state.py:StateLayout). Where
     the checkpoint's mesh padded an array otherwise, it is read cut or zero-padded to the target,
     after checking that their true shapes agree (the padding is zeros either way)."""
-    with _quiet():
-      stored = _shapes(self._manager.item_metadata(step)['state'])
-    same = stored == _shapes(abstract_state)
-    if not same:
-      different = self._different_array(step, abstract_state, unpadded)
-      if different is not None:
-        raise CheckpointError(f'{self.path(step)}: {different[0]} has shape {different[1]} there '
-                              f'but {different[2]} in this config')
-    try:
+    with meeting_orbax_barrier():
+      with _quiet():
+        stored = _shapes(self._state_metadata(step))
+      same = stored == _shapes(abstract_state)
+      if not same:
+        different = self._different_array(step, abstract_state, unpadded)
+        if different is not None:
+          raise CheckpointError(f'{self.path(step)}: {different[0]} has shape {different[1]} '
+                                f'there but {different[2]} in this config')
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state, strict=same),
           data=ocp.args.JsonRestore()))
-    except Exception:
-      # orbax ends a restore at a barrier of every process. One whose own shards failed to read
-      # never reaches it: it meets the others there, so that all go on to agree on the outcome.
-      ocp.multihost.sync_global_processes(
-          ocp.multihost.unique_barrier_key('Checkpointer:restore', prefix=_BARRIERS))
-      raise
     return restored['state'], restored['data']
 
   def saved_digests(self, step: int) -> dict | None:
     """The digests written beside checkpoint `step`; None for a checkpoint without them (saved
-    before they existed, or killed before they were written); DigestMismatch if they do not read."""
+    before they existed, or killed before they were written); DigestMismatch if they do not read
+    as a record of them."""
     try:
       with open(self.digest_path(step), encoding='utf-8') as f:
-        return json.load(f)
+        record = json.load(f)
     except FileNotFoundError:
       return None
     except ValueError as e:
       raise DigestMismatch(f'its digests ({self.digest_path(step)}) do not read: {e}') from None
+    if not (isinstance(record, dict) and isinstance(record.get('arrays'), dict)
+            and isinstance(record.get('data'), str)):
+      raise DigestMismatch(f'its digests ({self.digest_path(step)}) are not a record of them')
+    return record
 
   def verify(self, step: int, state, data: dict, unpadded: dict | None = None,
              saved: dict | None = None) -> None:
@@ -244,7 +256,7 @@ class Checkpointer:
     `accept_data(data)` may raise to refuse a stream (an error of the config, not a broken
     checkpoint); `unpadded` as `restore` takes it."""
     broken = []
-    steps = _agreed('restore/steps', self.steps)
+    steps = agreed('restore/steps', self.steps)
     for step in steps:
       state = data = saved = error = None
       try:
@@ -253,15 +265,15 @@ class Checkpointer:
         saved = self.saved_digests(step)
       except Exception as e:
         error = e
-      failed, why = agree_outcomes(f'restore/{step}', error)
-      if not failed and why is None:   # every process read it: they compute the digests together
+      outcome, why = agree_outcomes(f'restore/{step}', error)
+      if outcome == 'ok':   # every process read it: they compute the digests together
         try:
           self.verify(step, state, data, unpadded, saved)
         except DigestMismatch as e:
-          why = one_line(e)
-      if failed:
-        raise RestoreFailed(f'{self.path(step)} could not be read ({why}); {NO_EVIDENCE}')
-      if why is not None:
+          outcome, why = 'broken', one_line(e)
+      if outcome in ('temporary', 'failed'):
+        raise refusal(self.path(step), why, outcome == 'temporary')
+      if outcome == 'broken':
         broken.append((step, why))
         if jax.process_index() == 0 and step != steps[-1]:
           print(f'checkpoint  {self.path(step)} does not restore ({why}); trying an older one')
@@ -302,6 +314,28 @@ class Checkpointer:
   def close(self) -> None:
     self.wait()
     self._manager.close()
+
+
+@contextlib.contextmanager
+def meeting_orbax_barrier(prefix: str | None = _BARRIERS):
+  """orbax ends every restore at a barrier of all processes (a collective). A process that fails
+  before it (its own shards, or a read of its own) never gets there and would leave the others
+  waiting for ever: it meets them there, so that all go on to agree on the outcome. `prefix`: that
+  of the checkpointer's barrier names."""
+  outermost = not getattr(_BARRIER_MET, 'depth', 0)   # a restore inside another meets it once
+  _BARRIER_MET.depth = getattr(_BARRIER_MET, 'depth', 0) + 1
+  try:
+    yield
+  except Exception:
+    if outermost and jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(
+          ocp.multihost.unique_barrier_key('Checkpointer:restore', prefix=prefix))
+    raise
+  finally:
+    _BARRIER_MET.depth -= 1
+
+
+_BARRIER_MET = threading.local()
 
 
 @contextlib.contextmanager
@@ -347,28 +381,62 @@ _DRAIN_SECONDS = 1.0
 
 # tensorstore's codes for stored data that is not what its format says: truncated, garbage, absent.
 _DAMAGED = ('DATA_LOSS', 'NOT_FOUND', 'OUT_OF_RANGE', 'FAILED_PRECONDITION', 'INVALID_ARGUMENT')
+# Its codes (and XLA's) for a read that may pass when tried again.
+_TEMPORARY = ('RESOURCE_EXHAUSTED', 'UNAVAILABLE', 'DEADLINE_EXCEEDED', 'ABORTED', 'CANCELLED')
+
+
+def _causes(error: BaseException):
+  """`error` and what it was raised from (`raise ... from`), outermost first."""
+  while error is not None:
+    yield error
+    error = error.__cause__
+
+
+def _code(error: BaseException) -> str:
+  return str(error).partition(':')[0].strip()
 
 
 def is_broken(error: BaseException) -> bool:
   """Whether `error`, raised while a checkpoint was read, is evidence that the checkpoint itself is
   bad: a file missing, or one that does not decode (JSON, UTF-8, tensorstore's codes for damaged
-  data), arrays of other shapes than it describes, or values other than were saved. An I/O error,
-  an out-of-memory or anything else is not: a retry may read the same files."""
-  while error is not None:
-    if isinstance(error, (DigestMismatch, CheckpointError, FileNotFoundError, KeyError,
+  data), orbax's incomplete checkpoint, arrays of other shapes than it describes, or values other
+  than were saved. An I/O error, an out-of-memory or anything else is not."""
+  for cause in _causes(error):
+    if isinstance(cause, (DigestMismatch, CheckpointError, FileNotFoundError, KeyError,
                           json.JSONDecodeError, UnicodeDecodeError)):
       return True
-    if type(error) is ValueError and str(error).partition(':')[0] in _DAMAGED:
+    if type(cause) is ValueError and (_code(cause) in _DAMAGED
+                                      or str(cause).startswith('Found incomplete checkpoint')):
       return True
-    error = error.__cause__ or error.__context__
   return False
+
+
+def is_temporary(error: BaseException) -> bool:
+  """Whether `error` (no evidence against the checkpoint) may pass when the read is tried again:
+  an operating system's I/O error, memory, or a code for a temporary failure."""
+  for cause in _causes(error):
+    if isinstance(cause, MemoryError) or (isinstance(cause, OSError)
+                                          and not isinstance(cause, FileNotFoundError)):
+      return True
+    if _code(cause) in _TEMPORARY:
+      return True
+  return False
+
+
+def refusal(path: str, why: str, temporary: bool) -> CheckpointError:
+  """The error for a checkpoint that could not be read for a reason that is no evidence against
+  it: RestoreFailed (exit 75: start again) when a retry may pass, else a plain CheckpointError."""
+  if temporary:
+    return RestoreFailed(f'{path} could not be read ({why}); {NO_EVIDENCE}')
+  return CheckpointError(f'{path} could not be read ({why}); that is no evidence the checkpoint is '
+                         f'bad, so nothing was changed')
 
 
 _AGREEMENTS = itertools.count()   # every process agrees on the same things in the same order
 _AGREE_TIMEOUT_MS = 3600 * 1000   # a lost process is found by parallel/peers.py long before
 
 
-def _agreed(name: str, decide):
+def agreed(name: str, decide):
   """`decide()` on process 0, the same value (JSON) on every process."""
   if jax.process_count() == 1:
     return decide()
@@ -376,27 +444,38 @@ def _agreed(name: str, decide):
   key = f'checkpoint/{next(_AGREEMENTS)}/{name}'
   if jax.process_index() == 0:
     coordination_client().key_value_set(key, json.dumps(decide()))
-  return json.loads(coordination_client().blocking_key_value_get(key, _AGREE_TIMEOUT_MS))
+  return json.loads(_wait_for(key))
 
 
-def agree_outcomes(name: str, error: Exception | None) -> tuple[bool, str | None]:
-  """Every process's outcome of one attempt, agreed: (whether one failed for a reason that is no
-  evidence against the checkpoint, why), else (False, why one found it broken, or None)."""
-  kind = 'ok' if error is None else 'broken' if is_broken(error) else 'failed'
+def _wait_for(key: str) -> str:
+  from parallel.peers import coordination_client
+  try:
+    return coordination_client().blocking_key_value_get(key, _AGREE_TIMEOUT_MS)
+  except Exception as e:   # JAX's own error for a timeout
+    raise RestoreFailed(f'the processes did not agree on {key} within '
+                        f'{_AGREE_TIMEOUT_MS / 1000:.0f} s ({one_line(e)}); nothing was changed: '
+                        f'run the same command again') from None
+
+
+def agree_outcomes(name: str, error: Exception | None) -> tuple[str, str | None]:
+  """Every process's outcome of one attempt, agreed: ('ok', None); ('broken', why) when one found
+  evidence against the checkpoint; ('temporary' or 'failed', why) when one could not read it for
+  another reason (a retry may pass, or not)."""
+  kind = ('ok' if error is None else 'broken' if is_broken(error)
+          else 'temporary' if is_temporary(error) else 'failed')
   why = None if error is None else one_line(error)
   if jax.process_count() == 1:
-    return kind == 'failed', why
+    return kind, why
   from parallel.peers import coordination_client
-  client, me = coordination_client(), jax.process_index()
+  me = jax.process_index()
   key = f'checkpoint/{next(_AGREEMENTS)}/{name}'
-  client.key_value_set(f'{key}/{me}', json.dumps([kind, why]))
-  outcomes = [json.loads(client.blocking_key_value_get(f'{key}/{i}', _AGREE_TIMEOUT_MS))
-              for i in range(jax.process_count())]
-  for wanted in ('failed', 'broken'):
+  coordination_client().key_value_set(f'{key}/{me}', json.dumps([kind, why]))
+  outcomes = [json.loads(_wait_for(f'{key}/{i}')) for i in range(jax.process_count())]
+  for wanted in ('failed', 'temporary', 'broken'):
     for i, (kind, why) in enumerate(outcomes):
       if kind == wanted:
-        return wanted == 'failed', f'process {i}: {why}'
-  return False, None
+        return wanted, f'process {i}: {why}'
+  return 'ok', None
 
 
 def one_line(error: Exception) -> str:

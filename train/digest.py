@@ -69,19 +69,22 @@ def _stored_digest(x: jax.Array, shape: tuple) -> jax.Array:
   return jax.lax.fori_loop(0, shape[0], add_row, jnp.zeros((), jnp.uint32))
 
 
-def host_digest(x: np.ndarray, chunk_bytes: int = 1 << 28) -> int:
+def host_digest(x: np.ndarray, chunk_elements: int = 1 << 26) -> int:
   """The digest of an array in this process's memory, as `array_digest` gives it: brought to a
-  local device a run of whole rows (at most `chunk_bytes`) at a time, each run's positions counted
-  from its first row's."""
+  local device a run of whole rows (about `chunk_elements` elements) at a time, each run's
+  positions counted from its first row's, its digest one fused reduction."""
   if x.ndim == 0:
     return int(array_digest(x))
   per_row = math.prod(x.shape[1:])
-  rows = max(1, chunk_bytes // max(1, per_row * x.dtype.itemsize))
+  rows = max(1, chunk_elements // max(1, per_row))
   total = 0
   for start in range(0, x.shape[0], rows):
-    offset = np.uint32(start * per_row % 2**32)
-    total += int(array_digest(jax.device_put(x[start:start + rows], jax.local_devices()[0]), offset))
+    piece = jax.device_put(x[start:start + rows], jax.local_devices()[0])
+    total += int(_fused_digest(piece, np.uint32(start * per_row % 2**32)))
   return total % 2**32
+
+
+_fused_digest = jax.jit(array_digest)
 
 
 @functools.partial(jax.jit, static_argnames='shapes')

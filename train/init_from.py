@@ -46,8 +46,8 @@ from parallel.sharding import (device_bytes, fit_to_shapes, logical_axes_tree,
                                shardings_for)
 from quant import lsq
 from quant.weights import quantize_parts
-from train.checkpoint import (NO_EVIDENCE, Checkpointer, DigestMismatch, RestoreFailed,
-                              agree_outcomes, is_broken, one_line)
+from train.checkpoint import (Checkpointer, DigestMismatch, agree_outcomes, agreed,
+                              meeting_orbax_barrier, refusal)
 from train.digest import host_digest
 
 KINDS = ('hf', 'run')
@@ -152,13 +152,14 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
     raise InitError(f'init_from=run:{workdir} is a LoRA run (lora.rank={saved["lora"]["rank"]}); '
                     f'export it merged (python -m train.export_hf) and use init_from=hf:DIR')
   checkpoints = Checkpointer(directory, keep=1 << 30)
-  steps = checkpoints.steps() if steps is None else steps
+  steps = agreed('init_from/steps', checkpoints.steps) if steps is None else steps
   if not steps:
     checkpoints.close()
     raise InitError(f'init_from=run:{workdir}: {directory} holds no checkpoint')
   step, path = steps[0], checkpoints.path(steps[0])
   older = (lambda: _run_source(workdir, steps[1:])) if steps[1:] else None
   state_dir = os.path.abspath(os.path.join(path, 'state'))
+  unpadded = digests = stored = error = None
   try:
     # The true shapes of what the source's mesh stored padded (parallel/padding.py).
     unpadded = (checkpoints.read_meta(step) or {}).get('unpadded', {})
@@ -166,10 +167,13 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
     stored = ocp.PyTreeCheckpointer().metadata(state_dir)
     stored = getattr(stored, 'item_metadata', stored)['params']
   except Exception as e:
-    _passed_over(path, e, older)
-    return older()
+    error = e
   finally:
     checkpoints.close()
+  outcome, why = agree_outcomes(f'init_from/{step}', error)   # every process the same
+  if outcome != 'ok':
+    _passed_over(path, outcome, why, older)
+    return older()
 
   def true_shape(path, node) -> tuple:
     return tuple(unpadded.get('/'.join(('params',) + tuple(path)), node.shape))
@@ -192,8 +196,9 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
                                                                                 node.dtype)})}
     restore_args = {'params': traverse_util.unflatten_dict(
         {path: ocp.RestoreArgs(restore_type=np.ndarray)})}
-    restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=restore_args, partial_restore=True))
+    with meeting_orbax_barrier(prefix=None):   # a PyTreeCheckpointer's barrier names have none
+      restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True))
     host = np.asarray(traverse_util.flatten_dict(restored['params'])[path])
     host = host[tuple(slice(0, n) for n in abstract.shape)]   # no padding
     name = '/'.join(('params', *path))
@@ -211,10 +216,10 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
       raise
     except Exception as e:
       error = e
-    failed, why = agree_outcomes(f'init_from/{step}/{"/".join(tensor)}', error)
-    if failed:
-      raise RestoreFailed(f'{path} could not be read ({why}); ' + NO_EVIDENCE)
-    if why is not None:
+    outcome, why = agree_outcomes(f'init_from/{step}/{"/".join(tensor)}', error)
+    if outcome in ('temporary', 'failed'):
+      raise refusal(path, why, outcome == 'temporary')
+    if outcome == 'broken':
       raise SourceDamaged(path, why, older)
     # Cast on the host, so that the devices get one layer at a time, never the whole stacked
     # tensor in floats.
@@ -224,15 +229,11 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
                 check)
 
 
-def _passed_over(path: str, error: Exception, older) -> None:
+def _passed_over(path: str, outcome: str, why: str, older) -> None:
   """Report a checkpoint of the init_from run that proved bad, before its older one is tried;
-  raise if there is none, or if `error` is no evidence against it."""
-  if isinstance(error, SourceDamaged):
-    why = error.why
-  elif is_broken(error):
-    why = one_line(error)
-  else:
-    raise RestoreFailed(f'{path} could not be read ({one_line(error)}); {NO_EVIDENCE}') from error
+  raise if there is none, or if the `outcome` of reading it was no evidence against it."""
+  if outcome != 'broken':
+    raise refusal(path, why, outcome == 'temporary')
   if older is None:
     raise InitError(f'{path} does not restore ({why}), and the run has no older checkpoint; '
                     f'nothing was changed: restore its files, or start from another')
@@ -458,7 +459,7 @@ def state_from(s, source: Source) -> tuple[dict, Source]:
     try:
       return initial_state(s, source), source
     except SourceDamaged as e:
-      _passed_over(e.path, e, e.older)
+      _passed_over(e.path, 'broken', e.why, e.older)
       source = e.older()
 
 

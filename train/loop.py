@@ -50,10 +50,9 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
   # step once. A fresh start evaluates step 0 again, so it keeps none. A finished run whose final
   # evaluation was not recorded writes that step's row again, whole, with the evaluation.
   finishing = 0 < start == train.steps
-  logged = [row for row in read_rows(os.path.join(workdir, 'metrics.jsonl'))
-            if finishing and row.get('step') == start]
-  metrics = MetricsWriter(workdir, enabled=is_main(),
-                          keep_before=start if finishing else start + 1 if start else 0)
+  logged = ([row for row in read_rows(os.path.join(workdir, 'metrics.jsonl'))
+             if row.get('step') == start] if finishing else [])
+  metrics = MetricsWriter(workdir, enabled=is_main(), keep_before=start + 1 if start else 0)
   learning_rate = learning_rate_schedule(train)
   with s.context():
     params_finite = jax.jit(all_finite)
@@ -80,7 +79,10 @@ def train_loop(s, compiled, state: dict, start: int, batches, global_batch, chec
       eval_start = time.perf_counter()
       last_eval = evaluator(state, start)
       progress.evaluated(time.perf_counter() - eval_start)
-      metrics.write(start, {**(logged[-1] if logged else {}), **last_eval})
+      if logged:
+        metrics.rewrite(start, {**logged[-1], **last_eval})
+      else:
+        metrics.write(start, last_eval)
       if start == 0 and stops.stop_now(0):
         if is_main():
           tqdm.write(f'preempted   {stops.signal_name} during the step-0 evaluation: nothing was '

@@ -19,13 +19,25 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, *, enabled: bool = True, keep_before: int = 0):
     self.enabled = enabled
+    self._path = os.path.join(workdir, 'metrics.jsonl')
+    self._events = os.path.join(workdir, 'tensorboard')
     if enabled:
-      path = os.path.join(workdir, 'metrics.jsonl')
-      events = os.path.join(workdir, 'tensorboard')
-      truncate_jsonl(path, keep_before)
-      truncate_events(events, keep_before)
-      self._jsonl = open(path, 'a', encoding='utf-8')
-      self._tensorboard = SummaryWriter(events)
+      self._open(keep_before)
+
+  def _open(self, keep_before: int) -> None:
+    truncate_jsonl(self._path, keep_before)
+    truncate_events(self._events, keep_before)
+    self._jsonl = open(self._path, 'a', encoding='utf-8')
+    self._tensorboard = SummaryWriter(self._events)
+
+  def rewrite(self, step: int, values: dict) -> None:
+    """Write `step`'s row again, whole, in place of the last one logged (it must be the last):
+    the old row stays until the new one is ready to replace it."""
+    if not self.enabled:
+      return
+    self.close()
+    self._open(keep_before=step)
+    self.write(step, values)
 
   def write(self, step: int, values: dict) -> None:
     if not self.enabled:
@@ -44,16 +56,19 @@ class MetricsWriter:
 
 
 def read_rows(path: str) -> list[dict]:
-  """metrics.jsonl's rows; a torn last line (a process killed mid-write) is left out."""
+  """metrics.jsonl's rows; a torn line (a process killed mid-write), or one that is not a row, is
+  left out."""
   if not os.path.exists(path):
     return []
   rows = []
-  with open(path, encoding='utf-8') as f:
+  with open(path, encoding='utf-8', errors='replace') as f:
     for line in f:
       try:
-        rows.append(json.loads(line))
+        row = json.loads(line)
       except json.JSONDecodeError:
         continue
+      if isinstance(row, dict):
+        rows.append(row)
   return rows
 
 
