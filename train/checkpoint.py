@@ -250,8 +250,8 @@ class Checkpointer:
   def restore_newest(self, abstract_state, accept_data=lambda data: None,
                      unpadded: dict | None = None) -> Restored:
     """The newest checkpoint that restores. Only evidence that a checkpoint itself is bad
-    (`is_broken`) passes over it to an older one; any other failure (an I/O error, memory) raises
-    RestoreFailed and changes nothing. With several processes, all try the same steps and agree on
+    (`is_broken`) passes over it to an older one; any other failure changes nothing and raises
+    (RestoreFailed where a retry may pass: an I/O error, memory; else CheckpointError). With several processes, all try the same steps and agree on
     each outcome before going on (one process's damaged file passes over that step for all).
     `accept_data(data)` may raise to refuse a stream (an error of the config, not a broken
     checkpoint); `unpadded` as `restore` takes it."""
