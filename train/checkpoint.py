@@ -51,10 +51,6 @@ class DigestMismatch(RuntimeError):
   """A checkpoint decoded, but to other values than were saved."""
 
 
-NO_EVIDENCE = ('that is no evidence the checkpoint is bad, so nothing was changed: run the same '
-               'command again to retry')
-
-
 class RestoreFailed(CheckpointError):
   """A checkpoint could not be read for a reason that is not evidence against it (an I/O error,
   memory): nothing was changed, and a retry may restore it."""
@@ -426,10 +422,10 @@ def is_temporary(error: BaseException) -> bool:
 def refusal(path: str, why: str, temporary: bool) -> CheckpointError:
   """The error for a checkpoint that could not be read for a reason that is no evidence against
   it: RestoreFailed (exit 75: start again) when a retry may pass, else a plain CheckpointError."""
-  if temporary:
-    return RestoreFailed(f'{path} could not be read ({why}); {NO_EVIDENCE}')
-  return CheckpointError(f'{path} could not be read ({why}); that is no evidence the checkpoint is '
-                         f'bad, so nothing was changed')
+  text = (f'{path} could not be read ({why}); that is no evidence the checkpoint is bad, so '
+          f'nothing was changed')
+  return RestoreFailed(f'{text}: run the same command again to retry') if temporary \
+      else CheckpointError(text)
 
 
 _AGREEMENTS = itertools.count()   # every process agrees on the same things in the same order
