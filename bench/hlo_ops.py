@@ -5,8 +5,9 @@ collective) and the bytes it reads and writes (a layer's slice of a stacked oper
 slice). bench/profile.py joins it with the profiler's trace; it defines no flags, so anything may
 import it.
 """
-import math
 import re
+
+from parallel.hlo_arrays import type_bytes
 
 REGIONS = ('embed', 'norm', 'attention', 'mlp', 'loss', 'optimizer')
 KINDS = ('matmul', 'elementwise', 'copy/transpose', 'data movement', 'collective', 'other')
@@ -48,19 +49,6 @@ def _region(op_name: str) -> str:
   return 'other'
 
 
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's4': 0.5, 'u4': 0.5,
-                'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4,
-                'f64': 8, 's64': 8, 'u64': 8}
-
-
-def shape_bytes(shape: str) -> float:
-  """Bytes of an HLO shape such as `f32[8,256]{1,0}` or a tuple of them (token: 0)."""
-  total = 0.0
-  for dtype, dims in re.findall(r'([a-z]+\d*[a-z\d]*)\[([\d,]*)\]', shape):
-    total += _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(',') if d)
-  return total
-
-
 def _operands(rest: str) -> list[str]:
   """The operand names of an instruction, from the text after its opcode's '('."""
   depth, end = 1, 0
@@ -75,8 +63,8 @@ def _moved_bytes(opcode: str, shape: str, operands: list[str], shapes: dict, bod
   """Bytes an instruction reads and writes once: its operands and its output, except that a slice
   of a larger operand (a layer's slice of a scanned stack) reads only the slice, and an in-place
   update of one writes only the update."""
-  sizes = [shape_bytes(shapes.get(o, '')) for o in operands]
-  written = shape_bytes(shape)
+  sizes = [type_bytes(shapes.get(o, '')) for o in operands]
+  written = type_bytes(shape)
   if opcode == 'dynamic-slice':
     return 2 * written
   if opcode == 'dynamic-update-slice':
@@ -95,9 +83,9 @@ def _moved_bytes(opcode: str, shape: str, operands: list[str], shapes: dict, bod
       parameters[name] = int(re.match(r'(\d+)', inner_rest).group(1))
     args = _operands(inner_rest)
     if inner_op == 'dynamic-slice' and args and args[0] in parameters:
-      sliced[parameters[args[0]]] = sliced.get(parameters[args[0]], 0) + shape_bytes(inner_shape)
+      sliced[parameters[args[0]]] = sliced.get(parameters[args[0]], 0) + type_bytes(inner_shape)
     if inner_op == 'dynamic-update-slice' and 'ROOT' in line and args and args[0] in parameters:
-      root_update = (parameters[args[0]], shape_bytes(inner_shapes.get(args[1], '')))
+      root_update = (parameters[args[0]], type_bytes(inner_shapes.get(args[1], '')))
   total = 0.0
   for i, size in enumerate(sizes):
     if root_update and i == root_update[0]:

@@ -1,13 +1,11 @@
 """Per-device memory of a compiled program, from XLA's memory analysis (no allocation needed), its
 device and host memory apart."""
-import math
 import re
+
+from parallel.hlo_arrays import arrays as hlo_arrays
 
 GiB = 2.0**30
 HOST_MEMORY_SPACE = 'S(5)'   # XLA's layout tag of a buffer in (pinned) host memory
-_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2,
-          'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
-_ARRAY = re.compile(r'(\w+)\[([\d,]*)\](?:\{([^}]*)\})?')
 
 
 def compiler_of(platform: str) -> str:
@@ -49,11 +47,6 @@ def compiled_memory_spaces(compiled, hlo_text: str | None = None) -> tuple[dict,
   return _sizes(*device), _sizes(*host)
 
 
-def _array_bytes(dtype: str, dims: str) -> int:
-  count = math.prod(int(d) for d in dims.split(',') if d)
-  return math.ceil(count * (_BYTES[dtype] if dtype in _BYTES else int(dtype[1:]) / 8))
-
-
 def host_edge_bytes(hlo_text: str) -> list[int]:
   """[arguments, outputs, aliased] bytes in host memory at the compiled program's edge (per
   device: the entry layout has per-device shapes)."""
@@ -63,8 +56,7 @@ def host_edge_bytes(hlo_text: str) -> list[int]:
     return [0, 0, 0]
 
   def arrays(part):
-    return [(_array_bytes(dtype, dims), HOST_MEMORY_SPACE in (tags or ''))
-            for dtype, dims, tags in _ARRAY.findall(part)]
+    return [(size, HOST_MEMORY_SPACE in layout) for size, layout in hlo_arrays(part)]
   params, results = arrays(layout.group(1)), arrays(layout.group(2))
   aliases = re.search(r'input_output_alias=\{(.*?)\}\s*,\s*entry', header)
   aliased = 0

@@ -112,7 +112,7 @@ from models.config import ModelConfig
 from models.llama import Transformer
 from models.loss import head_gradient_rounded
 from parallel.pipeline import BACKWARD_IN_LOOP
-from parallel.rules import PADDED_AXES, layout_rules, mesh_axes
+from parallel.rules import PADDED_AXES, layout_rules, mesh_axes, zero_shards
 from parallel.sharding import logical_axes
 from precision.policy import Policy, get_policy
 
@@ -159,9 +159,13 @@ class StepShape:
     layers = cfg.num_layers * cfg.params_per_layer
     return cfg.num_params - layers + layers / self.stages
 
-  def shards(self, from_stage: int) -> int:
-    """Ways a piece of state is split: `tensor`, and `fsdp` once zero_stage reaches from_stage."""
-    return self.tensor * (self.fsdp if self.zero_stage >= from_stage else 1)
+  def sharded(self, part: str) -> bool:
+    """Whether `part` of the state ('params', 'grads', 'optimizer') is split over `fsdp`."""
+    return zero_shards(self.zero_stage, part)
+
+  def shards(self, part: str) -> int:
+    """Ways `part` of the state is split: `tensor`, and `fsdp` where the ZeRO stage shards it."""
+    return self.tensor * (self.fsdp if self.sharded(part) else 1)
 
   @property
   def tokens(self) -> int:
@@ -176,7 +180,7 @@ class StepShape:
   @property
   def gathers_params(self) -> bool:
     """ZeRO-3 over more than one device: weights are all-gathered where they are used."""
-    return self.zero_stage >= 3 and self.fsdp > 1
+    return self.sharded('params') and self.fsdp > 1
 
 
 def on_gpu(shape: 'StepShape') -> bool:
@@ -351,11 +355,11 @@ def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
   return stored / values
 
 
-def shards(cfg: ModelConfig, shape: StepShape, from_stage: int) -> float:
+def shards(cfg: ModelConfig, shape: StepShape, part: str) -> float:
   """Ways a piece of state is split (`shape.shards`), less the padding that an uneven split over
   `fsdp` stores (`padding_ratio`)."""
-  ways = shape.shards(from_stage)
-  return ways / padding_ratio(cfg, shape.fsdp) if shape.zero_stage >= from_stage else ways
+  ways = shape.shards(part)
+  return ways / padding_ratio(cfg, shape.fsdp) if shape.sharded(part) else ways
 
 
 def gathered(cfg: ModelConfig, shape: StepShape) -> float:
@@ -390,9 +394,9 @@ def _moment_ways(n: int, ways: int, shape: StepShape) -> int:
 
 def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Bytes of both Adam moments (and the master copy, where the policy keeps one) on one device."""
-  master = shape.stage_params(cfg) * policy.master_bytes / shards(cfg, shape, 1)
+  master = shape.stage_params(cfg) * policy.master_bytes / shards(cfg, shape, 'optimizer')
   if shape.adam_bits == 32:
-    return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shards(cfg, shape, 1)
+    return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shards(cfg, shape, 'optimizer')
   total = 0
   for n, ways in param_leaves(cfg, shape):
     if n >= QUANTIZED_MIN_SIZE:
@@ -583,7 +587,7 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
     return weights * FP32
   if cfg.remat == 'none':
-    return weights * FP32 / shards(cfg, shape, 3)
+    return weights * FP32 / shards(cfg, shape, 'params')
   return 0
 
 
@@ -597,7 +601,7 @@ def cpu_shard_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
       or not shape.gathers_params or shape.tensor > 1):
     return 0
   weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
-  return weights * FP32 / shards(cfg, shape, 3)
+  return weights * FP32 / shards(cfg, shape, 'params')
 
 
 def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -621,7 +625,7 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
         shape.gathers_params or policy.param_bytes > policy.compute_bytes)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
   # reduce-scatter (see `held`); XLA:GPU forms them after the head's backward peak.
-  full_grads = int(shape.zero_stage >= 2 and shape.fsdp > 1 and embedding_grads)
+  full_grads = int(shape.sharded('grads') and shape.fsdp > 1 and embedding_grads)
   head_grads = 0 if on_gpu(shape) else full_grads
   # A tied head's full-size gradient, which waits for the lookup's to be summed with it. With 16-bit
   # compute on XLA:GPU it is formed in the compute dtype from the rounded logits' gradient, in every
@@ -734,7 +738,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stage_weights = cfg.num_layers / P * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
   vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
-  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 2)
+  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads')
   whole = 0
   if shape.gathers_params:
     whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
@@ -743,8 +747,8 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # The chunk's layers in a loop (under remat): XLA gives that loop its own copy of the weights
     # it reads (the stage's, or with several chunks the one picked) and of the gradient sums
     # (7b remat full on 4 stages x 2-way ZeRO-3, bench/buffers.py: two sets of each).
-    read = stage_weights * p / (shape.tensor if whole else shards(cfg, shape, 3))
-    loop_copies = read / R + stage_weights * trained * p / shards(cfg, shape, 2)
+    read = stage_weights * p / (shape.tensor if whole else shards(cfg, shape, 'params'))
+    loop_copies = read / R + stage_weights * trained * p / shards(cfg, shape, 'grads')
   return {'activations': activations,
           'temporaries': vocab_sums + whole + loop_copies + layer['weights']}
 
@@ -762,7 +766,7 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
   update runs)."""
-  ways = shards(cfg, shape, 1)
+  ways = shards(cfg, shape, 'optimizer')
   if shape.adam_bits == 32 and on_gpu(shape):
     # XLA:GPU fuses the whole update (and the select that skips a non-finite step,
     # train/step.py) into one elementwise pass per weight, in place: no buffer of its own (100m
@@ -787,7 +791,7 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   XLA:GPU gathers the whole stack first: 100m and 1b ZeRO-2 on 8 H100s, bench.buffers --target,
   every stacked weight and the table as full fp32 all-gathers at the peak), while the gradients
   are shards."""
-  if shape.zero_stage not in (1, 2) or shape.fsdp == 1:
+  if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
     return 0
   return shape.stage_params(cfg) * policy.param_bytes / shape.tensor
 
@@ -798,11 +802,11 @@ def gathered_one_at_a_time(cfg: ModelConfig, policy: Policy, shape: StepShape) -
   MLP stacks' new shards twice, as computed and laid out for their gathers, which replace their
   gradients (70b ZeRO-2 on 8 and 64 H100s, bench.buffers --target: a 70 GiB fp32 all-gather and
   six fp32 MLP shards at the peak, 128.4 and 77.3 GiB of temp)."""
-  if shape.zero_stage not in (1, 2) or shape.fsdp == 1:
+  if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
     return 0
   layers = cfg.num_layers / shape.stages
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
-  return largest + layers * cfg.mlp_params_per_layer * policy.param_bytes / shards(cfg, shape, 1)
+  return largest + layers * cfg.mlp_params_per_layer * policy.param_bytes / shards(cfg, shape, 'optimizer')
 
 
 def scheduler_room(shape: StepShape, state: float) -> float | None:
@@ -822,7 +826,7 @@ def transposed_gradient(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   stack whole first, one at a time, beside all the gradients (7b and 70b ZeRO-1 on 8 H100s,
   bench.buffers --target: an fp32 [d_model, layers, d_ff] copy of an MLP gradient at the peak,
   5.4 and 70 GiB). ZeRO-2 reduce-scatters each layer's gradients inside the loop instead."""
-  if not on_gpu(shape) or shape.zero_stage != 1 or shape.fsdp == 1:
+  if not on_gpu(shape) or not shape.sharded('optimizer') or shape.sharded('grads') or shape.fsdp == 1:
     return 0
   return cfg.num_layers / shape.stages * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
 
@@ -834,7 +838,7 @@ def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
   through the layers' backward (70b ZeRO-3 x tensor 4 on 8 H100s, bench.buffers --target: fp32
   [4096, 80, 7168] and [4096, 80, 16, 128] copies beside the stacks, 11.25 GiB; the same pair at
   1b and 7b)."""
-  if not on_gpu(shape) or shape.zero_stage < 3 or shape.fsdp == 1 or frozen is not None:
+  if not on_gpu(shape) or not shape.sharded('params') or shape.fsdp == 1 or frozen is not None:
     return 0
   q = cfg.num_heads * cfg.head_dim
   return (cfg.num_layers / shape.stages * (cfg.mlp_dim + q) * cfg.d_model * policy.param_bytes
@@ -853,13 +857,13 @@ def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   ZeRO-3 too (1b pure bf16 ZeRO-3 on 8 devices, jax 0.12.0.1, bench/buffers.py: the peak is the
   embedding gradients' reduction, four fp32 vocabulary buffers and nothing of the moments; under
   ZeRO-2 it is still there: tests/test_estimate.py's tiny bf16_master case, -10 % without it)."""
-  if shape.adam_bits != 32 or policy.param_bytes >= FP32 or shape.zero_stage == 0:
+  if shape.adam_bits != 32 or policy.param_bytes >= FP32 or not shape.sharded('optimizer'):
     return 0
-  if shape.backend == 'cpu' and not cpu_upcasts_bf16() and shape.zero_stage >= 3:
+  if shape.backend == 'cpu' and not cpu_upcasts_bf16() and shape.sharded('params'):
     return 0
   if on_gpu(shape):   # XLA:GPU forms it inside the fused update (1b pure bf16 ZeRO-3 on 8 H100s)
     return 0
-  return shape.stage_params(cfg) * FP32 / shards(cfg, shape, 1)
+  return shape.stage_params(cfg) * FP32 / shards(cfg, shape, 'optimizer')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -917,14 +921,14 @@ def _state_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
   if frozen is None:
     return optimizer_bytes(cfg, policy, shape)
   n = frozen.trainable * shape.stage_params(cfg) / cfg.num_params
-  return n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
+  return n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
 
 
 def streamed_state_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """An offloaded optimizer state's bytes on the device during the update (train/offload.py): one
   layer's state, or the other weights' (embeddings, head, final norm) in one piece, whichever is
   larger, brought over and sent back (twice)."""
-  per_value = (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
+  per_value = (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
   rest = cfg.num_params - cfg.num_layers * cfg.params_per_layer
   return 2 * max(cfg.params_per_layer, rest) * per_value
 
@@ -960,15 +964,15 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     cfg = dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat])
   n = shape.stage_params(cfg)
   p = policy.param_bytes
-  params = n * p / shards(cfg, shape, 3)
-  grads = n * p / shards(cfg, shape, 2)
+  params = n * p / shards(cfg, shape, 'params')
+  grads = n * p / shards(cfg, shape, 'grads')
   optimizer = optimizer_bytes(cfg, policy, shape)
   if frozen is not None:
     on_stage = n / cfg.num_params   # the base's share on one stage
     n = frozen.trainable * on_stage
-    params = (frozen.base_bytes * on_stage + n * p) / shards(cfg, shape, 3)
-    grads = n * p / shards(cfg, shape, 2)
-    optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 1)
+    params = (frozen.base_bytes * on_stage + n * p) / shards(cfg, shape, 'params')
+    grads = n * p / shards(cfg, shape, 'grads')
+    optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
   saved = activation_bytes(cfg, policy, shape)
   if on_gpu(shape) and shape.microbatches > 1:
     # In the microbatch loop XLA:GPU initialises the next microbatch's saved stacks while the
@@ -986,7 +990,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
   pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
-                    / shards(cfg, shape, 2) if shape.stages > 1 and frozen is None else 0)
+                    / shards(cfg, shape, 'grads') if shape.stages > 1 and frozen is None else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).
@@ -1000,10 +1004,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = (shape.zero_stage < 2 or shape.fsdp == 1) and shape.microbatches == 1
-    unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 2)
+    whole = (not shape.sharded('grads') or shape.fsdp == 1) and shape.microbatches == 1
+    unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 'grads')
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
-            {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 1)})
+            {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 'optimizer')})
   if shape.offload_optimizer:   # the update runs a layer (or the other weights) at a time
     rest = cfg.num_params - cfg.num_layers * cfg.params_per_layer
     update = {'chain': update['chain'] * max(cfg.params_per_layer, rest) / n}
@@ -1058,10 +1062,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   if update.get('gathered'):
     # The scheduler gathers the new weights whole where that fits beside the state, one at a time
     # where nothing does, and as many as fit in between.
-    whole = update['gathered'] + n * p / shards(cfg, shape, 1) - grads
+    whole = update['gathered'] + n * p / shards(cfg, shape, 'optimizer') - grads
     room = scheduler_room(shape, params + (0 if shape.offload_optimizer else optimizer))
     if room is not None:
-      one = update['one_at_a_time'] + n * p / shards(cfg, shape, 1) - grads
+      one = update['one_at_a_time'] + n * p / shards(cfg, shape, 'optimizer') - grads
       whole = min(whole, max(one, room - grads))
     update_phase += whole
   parts = {

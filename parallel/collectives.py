@@ -17,18 +17,16 @@ scan's is read from its condition (`i < N`).
 """
 import collections
 import glob
-import math
 import os
 import re
 import tempfile
 
+from parallel.hlo_arrays import arrays
+
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
 
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
 _INSTRUCTION = re.compile(r'=\s*(.+?)\s+(' + '|'.join(KINDS) + r')(-start)?\(')
-_ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]')
 _WHILE = re.compile(r'\swhile\(.*body=%?([\w.\-]+)')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r'(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
@@ -38,11 +36,7 @@ _S32_CONSTANT = re.compile(r's32\[\] constant\((\d+)\)')
 
 
 def _array_bytes(type_text: str) -> list[int]:
-  sizes = []
-  for dtype, dims in _ARRAY.findall(type_text):
-    width = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith(('f8', 's4', 'u4', 'f4')) else 4)
-    sizes.append(width * math.prod(int(d) for d in dims.split(',') if d))
-  return sizes
+  return [size for size, _ in arrays(type_text)]
 
 
 def _operands_and_results(type_text: str) -> tuple[list[int], list[int]]:

@@ -82,16 +82,23 @@ class LayoutRules:
     return self.grads == REPLICATED
 
 
+# The first ZeRO stage that shards each part of the train state (the table above). The one
+# statement of it: the layouts below, the memory estimate and the planner all read it.
+SHARDED_FROM = {'optimizer': 1, 'grads': 2, 'params': 3}
+
+
+def zero_shards(zero_stage: int, part: str) -> bool:
+  """Whether `part` ('params', 'grads' or 'optimizer') is split over the data-parallel devices
+  at this ZeRO stage."""
+  return zero_stage >= SHARDED_FROM[part]
+
+
 def layout_rules(zero_stage: int) -> LayoutRules:
   if zero_stage not in ZERO_STAGES:
     raise ValueError(f'parallel.zero_stage={zero_stage!r}; allowed: 0 (DDP), 1 (optimizer state '
                      f'sharded), 2 (+ gradients), 3 (+ parameters, FSDP)')
-  return LayoutRules(
-      activations=ACTIVATIONS,
-      params=SHARDED if zero_stage >= 3 else REPLICATED,
-      grads=SHARDED if zero_stage >= 2 else REPLICATED,
-      optimizer=SHARDED if zero_stage >= 1 else REPLICATED,
-  )
+  table = {part: SHARDED if zero_shards(zero_stage, part) else REPLICATED for part in SHARDED_FROM}
+  return LayoutRules(activations=ACTIVATIONS, **table)
 
 
 def mesh_axes(part) -> tuple[str, ...]:

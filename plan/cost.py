@@ -18,7 +18,8 @@ printed with every plan.
   in the backward, two more when full remat replays the forward) stay within a node and do not
   overlap with compute.
 - The optimizer update is memory-bound: the bytes it reads and writes over HBM bandwidth (the
-  weights and gradient, the moments, and an fp32 master copy where the policy keeps one).
+  weights and gradient, the moments in their stored dtype, and an fp32 master copy where the
+  policy keeps one).
 - With the optimizer state in host memory (`parallel.offload_optimizer`), the update also streams
   that state (fp32 master and moments) to the device and back over the host link (PCIe or
   NVLink-C2C), not overlapped: the update runs after the backward pass.
@@ -39,14 +40,15 @@ printed with every plan.
 """
 import dataclasses
 
+from memory.estimate import StepShape, moment_bytes
 from models.config import ModelConfig
+from parallel.rules import zero_shards
 from plan.target import Target
 from precision.policy import Policy
 
 MFU_ASSUMED = 0.45
 RECOMPUTE = {'none': 1.0, 'dots': 1.05, 'full': 8 / 6, 'qkv': 1.2, 'offload': 8 / 6,
              'dots_offload': 1.05}
-ADAM_BYTES_TOUCHED = {32: 4 * 2 * 2, 8: 2 * 2 * 1}   # two moments, read and written, per parameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
               3: m * 3 * f * weights}[recipe.zero_stage]
-  if one_f_one_b and recipe.zero_stage == 3:   # gathered once per step, reduced at every tick
+  # 1F1B under ZeRO-3 gathers a stage's weights once per step and reduces at every tick.
+  if one_f_one_b and zero_shards(recipe.zero_stage, 'params'):
     dp_bytes = (recipe.microbatches + m) * f * weights
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
@@ -141,12 +144,16 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
     context_bytes = cfg.num_layers / P * m * (forward_passes + backward) * (c - 1) / c * kv
   context_comm = context_bytes / target.intra_node
 
-  sharded = cfg.num_params / (t * P * (dp if recipe.zero_stage >= 1 else 1))
-  touched = sharded * (3 * param_bytes + 2 * policy.master_bytes
-                       + ADAM_BYTES_TOUCHED[recipe.adam_bits])
+  sharded = cfg.num_params / (t * P * (dp if zero_shards(recipe.zero_stage, 'optimizer') else 1))
+  # Bytes of one moment per parameter: the policy's update dtype, or 8-bit codes and their scales.
+  adam = StepShape(1, seq_len, adam_bits=recipe.adam_bits)
+  moment = moment_bytes(cfg, policy, adam) / cfg.num_params
+  # The weight and its gradient read and the weight written; the master read and written; both
+  # moments read and written.
+  touched = sharded * (3 * param_bytes + 2 * policy.master_bytes + 2 * 2 * moment)
   optimizer = touched / target.hbm
   # An offloaded state comes over from host memory and goes back, every step.
-  host_bytes = 2 * sharded * (2 * policy.moment_bytes + policy.master_bytes) if recipe.offload else 0
+  host_bytes = 2 * sharded * (2 * moment + policy.master_bytes) if recipe.offload else 0
   host_transfer = host_bytes / target.host_link
   exposed_context = 0.0 if ring else context_comm
   total = (max(compute, dp_comm, context_comm if ring else 0.0) + tp_comm + pipeline_comm

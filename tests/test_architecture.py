@@ -1,8 +1,10 @@
 """The import graph of the project's code (ARCHITECTURE.md): no circles, and each folder imports
 only the folders below it. Imports inside functions count: a circle hidden in a function is still
-a circle."""
+a circle. And the rules that are written once (the ZeRO table, the HLO dtype sizes, the reader of
+metrics.jsonl): a second copy would be found here."""
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,3 +130,28 @@ def test_metrics_jsonl_is_read_in_one_place():
           isinstance(n, ast.Constant) and n.value == 'metrics.jsonl' for n in ast.walk(node)):
         readers.append(f'{module}:{node.lineno}')
   assert readers == []
+
+
+def _sources_except(owner: str):
+  """(module, source text) of every project module but `owner`."""
+  for module, path in project_modules().items():
+    if module != owner:
+      with open(path, encoding='utf-8') as f:
+        yield module, f.read()
+
+
+def test_the_zero_stages_are_written_in_one_table():
+  """What each ZeRO stage shards is parallel/rules.py:SHARDED_FROM; a comparison of a stage number
+  elsewhere (`zero_stage >= 2`) would be a second copy of that table."""
+  copies = [f'{module}: {m.group(0)}' for module, text in _sources_except('parallel.rules')
+            for m in re.finditer(r'zero_stage\s*(?:>=|<=|>|<)\s*\d|zero_stage\s+(?:not\s+)?in\s*\(',
+                                 text)]
+  assert copies == []
+
+
+def test_hlo_dtype_sizes_are_written_in_one_place():
+  """Every reader of HLO text sizes its arrays through parallel/hlo_arrays.py; a table of dtype
+  sizes elsewhere would drift from it (three did: s4 was 1 byte in one, half a byte in another)."""
+  copies = [f'{module}: {m.group(0)}' for module, text in _sources_except('parallel.hlo_arrays')
+            for m in re.finditer(r"""['"](?:bf16|f32|s8)['"]\s*:\s*\d""", text)]
+  assert copies == []

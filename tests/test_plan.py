@@ -214,6 +214,29 @@ def test_a_frozen_base_is_costed_without_weight_gradients():
                                   rel=1e-12)
 
 
+def test_the_optimizer_traffic_reads_the_moments_in_their_stored_dtype():
+  """The update reads and writes the weight, its gradient and both moments (and the master where
+  the policy keeps one): pure bf16 stores its moments in bf16, half the bytes of 32-bit Adam's
+  fp32 moments, and 8-bit Adam a byte per value plus an fp32 scale per block of 2048."""
+  from plan.cost import Recipe, step_seconds
+  from precision.policy import get_policy
+  from train.checks import model_config
+  config, target = default.get_config('1b'), parse_target('1xH100-80GB')
+  cfg, seq = model_config(config), config.train.seq_len
+
+  def optimizer_bytes(precision, adam_bits):
+    seconds = step_seconds(cfg, Recipe(precision, adam_bits, 0, 1, 'none', 1), 8, seq, target,
+                           get_policy(precision))
+    return seconds['optimizer'] * target.hbm / cfg.num_params
+
+  assert optimizer_bytes('bf16', 32) == pytest.approx(3 * 2 + 2 * 2 * 2, rel=1e-9)
+  assert optimizer_bytes('bf16_mixed', 32) == pytest.approx(3 * 4 + 2 * 2 * 4, rel=1e-9)
+  assert optimizer_bytes('bf16_master', 32) == pytest.approx(3 * 2 + 2 * 4 + 2 * 2 * 4, rel=1e-9)
+  # The 8-bit codes' blocks are padded to whole blocks, so allow the padding of the few tensors
+  # (norm scales, 2048 values or fewer, stay 32-bit: a few parts in 10^4 of the model).
+  assert optimizer_bytes('bf16_mixed', 8) == pytest.approx(3 * 4 + 2 * 2 * (1 + 4 / 2048), rel=1e-3)
+
+
 def _fastest_fitting(preset: str, target_name: str, **overrides):
   from plan.search import host_fits
   config = default.get_config(preset)
