@@ -20,6 +20,8 @@ import sys
 
 from absl import app, flags, logging
 
+from train.setup import Setup
+
 _PRESET = flags.DEFINE_string('preset', '100m', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
 _PRECISION = flags.DEFINE_string('precision', 'bf16_mixed', 'Precision policy.')
@@ -34,7 +36,7 @@ def zero_formula(layout: str, psi: int, n: int) -> float | None:
           'fsdp': 16 * psi / n}.get(layout)
 
 
-def model_state_bytes(s, compiled_arguments: int) -> int:
+def model_state_bytes(s: Setup, compiled_arguments: int) -> int:
   """Compiled arguments less the batch, plus the gradients at their sharding."""
   from parallel.sharding import device_bytes
   train = s.config.train

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train.setup import Setup
+
 # The model and batch shapes bench/versus.py and bench/studies/pieces.py compare. `issue`: the
 # shape of issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
 SHAPES = {
@@ -94,7 +96,7 @@ def bench_setup(config):
   return setup(config, devices=None if -1 in sizes else jax.devices()[:int(np.prod(sizes))])
 
 
-def random_batches(s, count: int) -> list[dict]:
+def random_batches(s: Setup, count: int) -> list[dict]:
   """`count` batches of random tokens on the devices, one document per row, with the keys the step
   was compiled for (with packing on, `segments` too: all one segment, which costs the same as
   several)."""

@@ -53,6 +53,7 @@ from bench.gpu_kernels import (device_events, kernel_instruction, kernel_time, p
 from bench.hlo_ops import KINDS, REGIONS, describe_instructions
 from bench.trace import read_trace, union_us
 from train.metrics import read_rows
+from train.setup import Setup
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config file[:preset].')
 _STEPS = flags.DEFINE_integer('steps', 5, 'Traced steps (after the warm-up).')
@@ -137,7 +138,7 @@ def _options():
   return options
 
 
-def profile_step(s, compiled, steps: int, warmup: int, trace_dir: str) -> dict:
+def profile_step(s: Setup, compiled, steps: int, warmup: int, trace_dir: str) -> dict:
   from bench.measure import random_batches
   from train import init_from
   state = init_from.fresh_state(s)

@@ -34,6 +34,7 @@ for are differentiated (`symbolic_zeros`): a LoRA base's weights get no gradient
 """
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -140,129 +141,190 @@ class _Trained:
     return jax.tree.unflatten(self.treedef, full)
 
 
-def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, rows, embed,
-         embed_rows, tail, targets, seed, weights, wanted):
-  """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
-  False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
-  P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
-  if wanted is None:
-    wanted = jax.tree.map(lambda _: False, weights)
-  layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
-  place_layers = jax.tree.leaves(placements[0])
-  place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
-  in_stages = lambda place: jax.vmap(place, spmd_axis_name=STAGE_AXIS)
+@dataclasses.dataclass
+class _Loop:
+  """What every tick of one step's 1F1B loop reads: the schedule, the blocks' layer function, the
+  stages' weights and dropout keys, the microbatches' inputs and targets, where gradients go, and
+  the loss's cotangent (`seed`). Its methods are the loop's parts, in the order a tick runs them."""
+  schedule: PipelineSchedule
+  layer: Any                  # one block: layer(weights, x, key, rows) (models/llama.py)
+  layers: _Trained            # the stacked blocks' weights
+  embed_weights: _Trained
+  tail_weights: _Trained
+  stage_leaves: list          # the stacked weights' leaves, [stages, repeats, chunk, ...] each
+  stage_keys: Any             # dropout keys the same way, or None
+  micro_rows: Any             # per-row inputs of the blocks, [microbatches, rows, ...]
+  micro_embed_rows: Any       # what the embedding reads, the same way
+  micro_targets: Any
+  embed: Any                  # embed(weights, rows) -> one microbatch's first block input
+  tail: Any                   # tail(weights, hidden, targets, microbatch) -> its loss sum
+  place_grads: list           # per (layers, embedding, tail): a placement per trained leaf
+  seed: jax.Array             # the cotangent the loss sum will get
+  rolled_backward: bool
 
-  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
-  # [P, R, chunk, ...]: chunk r * P + p of the model on stage p, placed once per step.
-  stage_leaves = [in_stages(place)(on_stages(by_stage(a, P, R, chunk)))
-                  for a, place in zip(layers.leaves, place_layers)]
-  stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
-  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
-  micro_rows, micro_embed_rows, micro_targets = split(rows), split(embed_rows), split(targets)
-  take = lambda tree, microbatch: jax.tree.map(lambda a: a[microbatch], tree)
+  def pick(self, a, index):
+    """One chunk of a stage's [repeats, chunk, ...]."""
+    return a[0] if self.schedule.repeats == 1 else a[index]
 
-  def pick(a, index):   # one chunk of a stage's [R, chunk, ...]
-    return a[0] if R == 1 else a[index]
-
-  def chunk_of(weight_leaves, stage_keys, index, microbatch):
+  def chunk_of(self, weight_leaves, stage_keys, index, microbatch):
     """(the chunk's weights, its dropout keys, its microbatch's per-row inputs)."""
-    picked = [pick(a, index) for a in weight_leaves]
+    picked = [self.pick(a, index) for a in weight_leaves]
     chunk_keys = None
     if stage_keys is not None:   # a dropout mask per layer and microbatch
-      chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(pick(stage_keys, index))
-    return picked, chunk_keys, take(micro_rows, microbatch)
+      chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(
+          self.pick(stage_keys, index))
+    return picked, chunk_keys, _take(self.micro_rows, microbatch)
 
-  def chunk_forward(weight_leaves, stage_keys, index, microbatch, held):
-    picked, chunk_keys, rows_now = chunk_of(weight_leaves, stage_keys, index, microbatch)
-    return scan_chunk(layer, jax.tree.unflatten(layers.treedef, picked), held, chunk_keys,
-                      rows_now, unroll=True)
+  def chunk_forward(self, weight_leaves, stage_keys, index, microbatch, held):
+    picked, chunk_keys, rows_now = self.chunk_of(weight_leaves, stage_keys, index, microbatch)
+    return scan_chunk(self.layer, jax.tree.unflatten(self.layers.treedef, picked), held,
+                      chunk_keys, rows_now, unroll=True)
 
-  def chunk_backward(weight_leaves, stage_keys, index, microbatch, held, cotangent):
+  def chunk_backward(self, weight_leaves, stage_keys, index, microbatch, held, cotangent):
     """(the gradients of the chunk's trained weights, [chunk, ...] each; of its input)."""
-    picked, chunk_keys, rows_now = chunk_of(weight_leaves, stage_keys, index, microbatch)
+    picked, chunk_keys, rows_now = self.chunk_of(weight_leaves, stage_keys, index, microbatch)
+
     def apply(trained, held):
-      return scan_chunk(layer, layers.with_trained(trained, picked), held, chunk_keys, rows_now,
-                        unroll=not rolled_backward)
-    return jax.vjp(apply, layers.trained(picked), held)[1](cotangent)
+      return scan_chunk(self.layer, self.layers.with_trained(trained, picked), held, chunk_keys,
+                        rows_now, unroll=not self.rolled_backward)
+    return jax.vjp(apply, self.layers.trained(picked), held)[1](cotangent)
 
-  def embed_of(microbatch):
-    rows_now = take(micro_embed_rows, microbatch)
-    return lambda trained: embed(embed_weights.with_trained(trained), rows_now)
+  def embed_of(self, microbatch):
+    rows_now = _take(self.micro_embed_rows, microbatch)
+    return lambda trained: self.embed(self.embed_weights.with_trained(trained), rows_now)
 
-  def tail_of(microbatch):
-    targets_now = micro_targets[microbatch]
-    return lambda trained, y: tail(tail_weights.with_trained(trained), y, targets_now, microbatch)
+  def tail_of(self, microbatch):
+    targets_now = self.micro_targets[microbatch]
+    return lambda trained, y: self.tail(self.tail_weights.with_trained(trained), y, targets_now,
+                                        microbatch)
 
-  def add(totals, grads, keep, places):
-    return [place(g + jnp.where(keep, d, 0).astype(g.dtype))
-            for g, d, place in zip(totals, grads, places)]
+  def forward_slot(self, weight_leaves, stage_keys, carry, t):
+    """The first stage embeds the item's microbatch (every stage computes it; one keeps it); the
+    chunk's input is kept for its backward slot, and the chunk runs. Returns its output."""
+    first = self.embed_of(t['f_micro'])(self.embed_weights.trained())
+    held = jnp.where(t['f_first'], first.astype(carry['forward_in'].dtype), carry['forward_in'])
+    kept = carry['kept']
+    carry['kept'] = jax.lax.dynamic_update_index_in_dim(
+        kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
+    return self.chunk_forward(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'], held)
 
-  def stage_tick(forward, backward, weight_leaves, stage_keys, carry, t):
+  def loss_slot(self, carry, t, out, cotangent):
+    """An item leaving its last chunk: its loss, the head's gradient, and the cotangent its
+    backward starts from."""
+    loss, tail_vjp = jax.vjp(self.tail_of(t['f_micro']), self.tail_weights.trained(), out)
+    d_tail, dy = tail_vjp(self.seed)
+    carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
+    carry['tail_grads'] = _added(carry['tail_grads'], d_tail, t['f_last'], self.place_grads[2])
+    return jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
+
+  def backward_slot(self, weight_leaves, stage_keys, carry, t, cotangent):
+    """The chunk's vjp from its kept input; its weights' gradient added to its chunk's sum, the
+    embedding's on the first stage. Returns the gradient of the chunk's input."""
+    d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'],
+                                        carry['kept'][t['b_slot']], cotangent)
+    grads = []
+    for g, d, place in zip(carry['grads'], d_weights, self.place_grads[0]):
+      d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
+      grads.append(place(g + d[None] if self.schedule.repeats == 1 else
+                         jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'],
+                                                             0)))
+    carry['grads'] = grads
+    if self.embed_weights.indices:   # the first stage takes the embedding's gradient
+      _, embed_vjp = jax.vjp(self.embed_of(t['b_micro']), self.embed_weights.trained())
+      carry['embed_grads'] = _added(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'],
+                                    self.place_grads[1])
+    return dx
+
+  def stage_tick(self, forward, backward, weight_leaves, stage_keys, carry, t):
     """One stage's tick: a forward slot (`forward`), then the head and loss where an item leaves
     the last chunk, then a backward slot (`backward`)."""
     carry = dict(carry)
     out = carry['forward_in']
     if forward:
-      # The first stage embeds the item's microbatch (every stage computes it; one keeps it).
-      first = embed_of(t['f_micro'])(embed_weights.trained())
-      held = jnp.where(t['f_first'], first.astype(out.dtype), carry['forward_in'])
-      kept = carry['kept']
-      carry['kept'] = jax.lax.dynamic_update_index_in_dim(
-          kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
-      out = chunk_forward(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'], held)
+      out = self.forward_slot(weight_leaves, stage_keys, carry, t)
     dx = carry['backward_in']
     if backward:
       cotangent = carry['backward_in']
-      if forward:   # an item leaving its last chunk: its loss, and the loss's gradient
-        loss, tail_vjp = jax.vjp(tail_of(t['f_micro']), tail_weights.trained(), out)
-        d_tail, dy = tail_vjp(seed)
-        carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
-        carry['tail_grads'] = add(carry['tail_grads'], d_tail, t['f_last'], place_grads[2])
-        cotangent = jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
-      d_weights, dx = chunk_backward(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'],
-                                     carry['kept'][t['b_slot']], cotangent)
-      grads = []
-      for g, d, place in zip(carry['grads'], d_weights, place_grads[0]):
-        d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
-        grads.append(place(g + d[None] if R == 1 else jax.lax.dynamic_update_index_in_dim(
-            g, g[t['b_chunk']] + d, t['b_chunk'], 0)))
-      carry['grads'] = grads
-      if embed_weights.indices:   # the first stage takes the embedding's gradient
-        _, embed_vjp = jax.vjp(embed_of(t['b_micro']), embed_weights.trained())
-        carry['embed_grads'] = add(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'],
-                                    place_grads[1])
+      if forward:
+        cotangent = self.loss_slot(carry, t, out, cotangent)
+      dx = self.backward_slot(weight_leaves, stage_keys, carry, t, cotangent)
     return carry, out, dx
 
-  def phase(forward, backward, carry, tables):
+  def phase(self, forward, backward, carry, tables):
+    """The ticks of `tables`, every stage at once (a vmap laid on `stage`)."""
     run_stages = jax.vmap(
-        lambda w, k, c, t: stage_tick(forward, backward, w, k, c, t),
-        in_axes=(0, None if stage_keys is None else 0, 0, 0), spmd_axis_name=STAGE_AXIS)
+        lambda w, k, c, t: self.stage_tick(forward, backward, w, k, c, t),
+        in_axes=(0, None if self.stage_keys is None else 0, 0, 0), spmd_axis_name=STAGE_AXIS)
 
     def tick(carry, t):
-      carry, out, dx = run_stages(stage_leaves, stage_keys, carry, t)
+      carry, out, dx = run_stages(self.stage_leaves, self.stage_keys, carry, t)
       # Every forward output one stage on, every backward one one stage back (round the ring).
       return {**carry, 'forward_in': jnp.roll(out, 1, axis=0),
               'backward_in': jnp.roll(dx, -1, axis=0)}, None
     return jax.lax.scan(tick, carry, tables)[0]
 
-  shape = jax.eval_shape(embed_of(0), embed_weights.trained())
-  activation = jnp.zeros((P,) + shape.shape, shape.dtype)
-  zeros = lambda shapes, places: [in_stages(place)(jnp.zeros((P,) + a.shape, a.dtype))
-                                  for a, place in zip(shapes, places)]
-  carry = {
-      'forward_in': activation, 'backward_in': activation,
-      'kept': jnp.zeros((P, schedule.in_flight) + shape.shape, shape.dtype),
-      'grads': zeros([a[0] for a in layers.trained(stage_leaves)], place_grads[0]),
-      'embed_grads': zeros(embed_weights.trained(), place_grads[1]),
-      'tail_grads': zeros(tail_weights.trained(), place_grads[2]),
-      'loss': jnp.zeros((P,), jnp.float32),
-  }
+  def first_carry(self) -> dict:
+    """The loop's state before its first tick: nothing in flight, every sum zero."""
+    stages = self.schedule.stages
+    shape = jax.eval_shape(self.embed_of(0), self.embed_weights.trained())
+    activation = jnp.zeros((stages,) + shape.shape, shape.dtype)
+    zeros = lambda shapes, places: [_in_stages(place)(jnp.zeros((stages,) + a.shape, a.dtype))
+                                    for a, place in zip(shapes, places)]
+    return {
+        'forward_in': activation, 'backward_in': activation,
+        'kept': jnp.zeros((stages, self.schedule.in_flight) + shape.shape, shape.dtype),
+        'grads': zeros([a[0] for a in self.layers.trained(self.stage_leaves)],
+                       self.place_grads[0]),
+        'embed_grads': zeros(self.embed_weights.trained(), self.place_grads[1]),
+        'tail_grads': zeros(self.tail_weights.trained(), self.place_grads[2]),
+        'loss': jnp.zeros((stages,), jnp.float32),
+    }
+
+
+def _take(tree, microbatch):
+  return jax.tree.map(lambda a: a[microbatch], tree)
+
+
+def _in_stages(place):
+  return jax.vmap(place, spmd_axis_name=STAGE_AXIS)
+
+
+def _added(totals, grads, keep, places):
+  """Each running sum plus its gradient where `keep`, placed."""
+  return [place(g + jnp.where(keep, d, 0).astype(g.dtype))
+          for g, d, place in zip(totals, grads, places)]
+
+
+def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, rows, embed,
+         embed_rows, tail, targets, seed, weights, wanted):
+  """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
+  False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
+  stages, repeats = schedule.stages, schedule.repeats
+  if wanted is None:
+    wanted = jax.tree.map(lambda _: False, weights)
+  layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
+  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
+  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), schedule.microbatches),
+                                    tree)
+  loop = _Loop(
+      schedule, layer, layers, embed_weights, tail_weights,
+      # [stages, repeats, chunk, ...]: chunk r * stages + p of the model on stage p, placed once
+      # per step.
+      stage_leaves=[_in_stages(place)(on_stages(by_stage(a, stages, repeats, chunk)))
+                    for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))],
+      stage_keys=None if keys is None else by_stage(keys, stages, repeats, chunk),
+      micro_rows=split(rows), micro_embed_rows=split(embed_rows), micro_targets=split(targets),
+      embed=embed, tail=tail,
+      place_grads=[_Trained(p, want).trained() for p, want in zip(placements[1], wanted)],
+      seed=seed, rolled_backward=rolled_backward)
+
+  carry = loop.first_carry()
   tables = {k: jnp.asarray(v) for k, v in schedule.ticks().items()}
   first_backward, after_forwards = schedule.phases
   cut = lambda start, stop: jax.tree.map(lambda a: a[start:stop], tables)
-  carry = phase(True, False, carry, cut(0, first_backward))
-  carry = phase(True, True, carry, cut(first_backward, after_forwards))
-  carry = phase(False, True, carry, cut(after_forwards, schedule.iterations))
+  carry = loop.phase(True, False, carry, cut(0, first_backward))
+  carry = loop.phase(True, True, carry, cut(first_backward, after_forwards))
+  carry = loop.phase(False, True, carry, cut(after_forwards, schedule.iterations))
 
   # Each stage's sums of the head's and embedding's gradients (only the last and first stage's
   # are not zero) are added up once, after the loop.

@@ -49,6 +49,7 @@ from quant.weights import quantize_parts
 from train.checkpoint import (Checkpointer, DigestMismatch, agree_outcomes, agreed,
                               meeting_orbax_barrier, refusal)
 from train.digest import host_digest
+from train.setup import Setup
 
 KINDS = ('hf', 'run')
 
@@ -266,7 +267,7 @@ class BaseLeaf:
   quantized: bool = False        # stored quantized (QLoRA's base): read in floats, then quantized
 
 
-def base_leaves(s) -> list[BaseLeaf]:
+def base_leaves(s: Setup) -> list[BaseLeaf]:
   """The base weights a source provides (every parameter but the adapters, the fp8 amax
   histories and learned quantization step sizes), in the order they are loaded."""
   spec, layout = s.spec, s.layout
@@ -294,7 +295,7 @@ def base_leaves(s) -> list[BaseLeaf]:
   return leaves
 
 
-def check_source(s, source: Source) -> list[BaseLeaf]:
+def check_source(s: Setup, source: Source) -> list[BaseLeaf]:
   """Every base weight's shape against the source, before anything is compiled or written."""
   leaves = base_leaves(s)
   for leaf in leaves:
@@ -302,7 +303,7 @@ def check_source(s, source: Source) -> list[BaseLeaf]:
   return leaves
 
 
-def initial_state(s, source: Source) -> dict:
+def initial_state(s: Setup, source: Source) -> dict:
   """The train state of a fresh run whose base weights come from `source` (s: run.Setup)."""
   spec, layout = s.spec, s.layout
   leaves = [leaf for leaf in base_leaves(s) if leaf.layer is not None or not source.kernels_only]
@@ -333,7 +334,7 @@ def initial_state(s, source: Source) -> dict:
   return state
 
 
-def rest_initialiser(s, leaves: list[BaseLeaf]):
+def rest_initialiser(s: Setup, leaves: list[BaseLeaf]):
   """The random initialiser, jitted without the base weights `leaves` (and, where they are
   trainable, without the optimizer state, which is made from them): XLA drops what is not
   returned, so the base is never drawn whole."""
@@ -419,7 +420,7 @@ def _normal(shape: tuple, dtype, sharding, std: float):
   return jax.jit(draw, out_shardings=sharding)
 
 
-def random_source(s) -> Source:
+def random_source(s: Setup) -> Source:
   """A random frozen base (LoRA, QLoRA): each dense kernel drawn one layer at a time, normal with
   its Dense's init_std in fp32 (as the initialiser draws it) from keys of the run's seed, the
   kernel's path and the layer."""
@@ -444,7 +445,7 @@ def random_source(s) -> Source:
   return Source(f'random (seed {seed})', {}, reader, check, kernels_only=True)
 
 
-def fresh_state(s, source: Source | None = None) -> dict:
+def fresh_state(s: Setup, source: Source | None = None) -> dict:
   """A fresh run's train state: from `source` (init_from), else random; a random frozen base
   (LoRA, QLoRA) is drawn a layer at a time (random_source), never whole."""
   if source is None and 'frozen' not in s.layout.abstract:
@@ -452,7 +453,7 @@ def fresh_state(s, source: Source | None = None) -> dict:
   return state_from(s, source or random_source(s))[0]
 
 
-def state_from(s, source: Source) -> tuple[dict, Source]:
+def state_from(s: Setup, source: Source) -> tuple[dict, Source]:
   """(the state made from `source`, the source it came from): a run's checkpoint that proves bad
   as it is read gives way to its next older one."""
   while True:
@@ -482,7 +483,7 @@ def _peak(compiled) -> int:
   return device['outputs'] + device['temp']
 
 
-def creation_bytes(s, source: Source | None = None) -> dict:
+def creation_bytes(s: Setup, source: Source | None = None) -> dict:
   """Per-device bytes while a fresh run creates its state, from compiled memory analyses (nothing
   is allocated), as `fresh_state` creates it: `peak`, the largest of its pieces, and `state`,
   what is left at the end. Jitted whole (no base to load): the initialiser's outputs and

@@ -22,6 +22,7 @@ from train.feed import BatchFeed
 from train.metrics import MetricsWriter, read_rows
 from train.preemption import StopRequests
 from train.progress import Progress
+from train.setup import Setup
 
 
 def is_main() -> bool:
@@ -39,7 +40,7 @@ class LoopEnd:
   preempted: bool      # stopped by a signal, after saving
 
 
-def train_loop(s, compiled, state: dict, start: int, batches, global_batch, checkpoints,
+def train_loop(s: Setup, compiled, state: dict, start: int, batches, global_batch, checkpoints,
                meta: dict, evaluator, workdir: str, stops: StopRequests) -> LoopEnd:
   """Runs steps start + 1 .. train.steps of the compiled step `compiled` (s: run.Setup).
   `global_batch` turns a process's rows into the global batch; `evaluator(state, step)` returns

@@ -2,7 +2,6 @@
 layout, compile the step (and record its memory), create or restore the state, train, evaluate,
 checkpoint, and print a sample. `--dry_run` stops after the compile."""
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -10,7 +9,6 @@ import time
 
 import jax
 import numpy as np
-from flax import linen
 from jax.experimental import multihost_utils
 
 import data as data_lib
@@ -18,17 +16,13 @@ from data import prepare as data_prepare, source as data_source
 from data.mixture import MixtureBatches
 from memory.compiled import compiled_memory_spaces, compiler_of, peak_device_memory
 from memory.estimate import Frozen, StepShape, estimate, offloaded
-from models.attention import compiling_for
-from models.config import COMPUTE_FIELDS, ModelConfig
+from models.config import COMPUTE_FIELDS
 from optim.adamw import make_optimizer
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
-from parallel.pipeline import PipelineSchedule, pipelined
-from parallel.pipeline_1f1b import OneFOneB
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
 from parallel.target import scheduling_memory
-from precision.policy import Policy
 from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import EvalSet, Evaluator
@@ -36,57 +30,11 @@ from train.loop import is_main, train_loop
 from train.offload import OffloadedOptimizer
 from train.preemption import StopRequests
 from train.sample import generate
-from train.state import ModelSpec, StateLayout, moment_block_axes, state_layout
-from train.step import make_train_step
+from train.state import moment_block_axes, state_layout
+from train.setup import Setup, pipeline_stack
+from train.step import PerDevice, make_train_step
 from train.summary import print_summary
 from train.workdir_lock import workdir_lock
-
-
-@dataclasses.dataclass
-class Setup:
-  config: object
-  spec: ModelSpec           # the model, its precision, adapters and frozen-base storage
-  model: ModelConfig
-  policy: Policy
-  mesh: jax.sharding.Mesh
-  rules: object             # parallel.rules.LayoutRules
-  layout: StateLayout
-  train_step: object        # jitted, with shardings and donation
-  batch_sharding: jax.sharding.NamedSharding
-  block_axes: dict | None   # 8-bit Adam: parameter path -> the dimension its moments are blocked from
-  pipeline: PipelineSchedule | None = None   # mesh.stage > 1
-  feed: tuple[int, int] = (0, 1)   # this process feeds block `feed[0]` of `feed[1]` of the batch rows
-
-  @property
-  def stack(self):
-    """How the blocks run in the train and eval steps: through the pipeline, or one after another."""
-    return pipeline_stack(self.pipeline, self.config, self.rules)
-
-  @property
-  def platform(self) -> str:
-    """What the step is compiled for: `gpu` for a GPU target compiled on a CPU."""
-    return self.mesh.devices.flat[0].platform
-
-  def context(self):
-    """Trace-time context: the mesh, the rules that turn activation hints into shardings, and
-    the platform compiled for."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(self.mesh))
-    stack.enter_context(linen.logical_axis_rules(self.rules.activations))
-    stack.enter_context(compiling_for(self.platform))
-    return stack
-
-
-def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
-  """How the blocks run under `schedule`: the backward pass inside the pipeline's loop (1f1b:
-  its gradients placed by the layout's `rules`, ZeRO-3's weights gathered once per step, a
-  chunk's backward in a loop under remat), or after all forwards (gpipe,
-  circular); None (one stage): one after another."""
-  if schedule is None:
-    return None
-  if schedule.backward_in_loop:
-    return OneFOneB(schedule, rules, rolled_backward=config.model.remat != 'none')
-  return pipelined(schedule)
 
 
 def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
@@ -130,23 +78,19 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   # data-parallel device (with one there is nothing to reduce) and summed over several
   # microbatches: the accumulation's, or the pipeline's.
   repeated = config.train.microbatches > 1 or schedule is not None
-  per_device = ((mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
+  per_device = (PerDevice(mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
                 if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated else None)
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
+  offloaded = None
+  if offload:
+    offloaded = OffloadedOptimizer(
+        lambda norm: tx_for_norm(global_norm=norm), layout.stacked, layout.layer_shardings,
+        _keyed(layout.update_shardings),
+        dict(zip(_keyed(layout.true['params']), layout.update_shapes.leaves, strict=True)))
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
-                            layout.grad_shardings, per_device,
+                            layout=layout, per_device=per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=pipeline_stack(schedule, config, rules),
-                            update_shardings=layout.update_shardings,
-                            layer_writes=layout.layer_writes,
-                            model_shapes=layout.model_shapes,
-                            update_shapes=layout.update_shapes,
-                            offload=OffloadedOptimizer(
-                                lambda norm: tx_for_norm(global_norm=norm), layout.stacked,
-                                layout.layer_shardings, _keyed(layout.update_shardings),
-                                dict(zip(_keyed(layout.true['params']),
-                                         layout.update_shapes.leaves, strict=True)))
-                            if offload else None)
+                            stack=pipeline_stack(schedule, config, rules), offload=offloaded)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.

@@ -7,9 +7,10 @@ from memory.compiled import compiler_of, format_bytes
 from memory.estimate import format_parts
 from quant.recipe import describe as describe_recipe
 from train import compile_cache
+from train.setup import Setup
 
 
-def print_summary(s, memory: dict) -> None:
+def print_summary(s: Setup, memory: dict) -> None:
   if jax.process_index() != 0:
     return
   compiled, estimated = memory['per_device_bytes'], memory['estimate_bytes']
@@ -77,7 +78,7 @@ def print_summary(s, memory: dict) -> None:
           f'blockwise kernel (models/context.py) whatever model.attention says')
 
 
-def _devices(s, memory: dict) -> str:
+def _devices(s: Setup, memory: dict) -> str:
   """What the step was compiled for: this process's devices, or a target's compile-only GPUs."""
   devices = list(s.mesh.devices.flat)
   if 'target' in memory:

@@ -17,6 +17,8 @@ freed-but-kept pages included).
 """
 from absl import app, flags, logging
 
+from train.setup import Setup
+
 
 _CONFIGS = flags.DEFINE_multi_string(
     'config', ['configs/lora.py:7b', 'configs/qlora.py:7b', 'configs/qlora.py:20b'],
@@ -50,7 +52,7 @@ def init_memory(spec: str) -> dict:
           'largest_layer': creation['largest_store'], 'layered_peak': creation['peak']}
 
 
-def _create(s) -> dict:
+def _create(s: Setup) -> dict:
   """Creates the state as a run does (init_from.fresh_state); its seconds and peak bytes."""
   import resource
   import time
