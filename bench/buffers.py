@@ -2,7 +2,7 @@
 
 Compiles the step of any config (as the dry run does: nothing is allocated, any model size on
 simulated CPU devices) with XLA's dumps on, and prints the live buffers at the peak of its temp
-memory (memory/buffers.py): their shapes, sizes, and the JAX operation that made each (name
+memory (bench/peak_buffers.py): their shapes, sizes, and the JAX operation that made each (name
 scopes such as `mlp`, `attention`, `optimizer`; `transpose(...)` for the backward pass). This is
 how a gap between the estimate and the compiler is explained before either is changed.
 
@@ -49,7 +49,7 @@ def _setup(config):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from memory.buffers import compile_with_dumps, read_peak
+  from bench.peak_buffers import compile_with_dumps, read_peak
   from memory.compiled import format_bytes
   from memory.estimate import format_parts
   from train.run import lower_train_step, memory_report

@@ -23,7 +23,7 @@ ALLOWED = {
               'convert'},
     'plan': {'configs', 'quant', 'precision', 'models', 'parallel', 'memory', 'train'},
 }
-TOP = ('bench', 'main', 'sweep', 'sweeps')   # drivers: may import everything
+TOP = ('bench', 'cli', 'main', 'sweep', 'sweeps')   # drivers: may import everything
 SKIP = ('tests', 'runs', '.git', '__pycache__', '.pytest_cache', '.ci')
 
 
@@ -155,3 +155,14 @@ def test_hlo_dtype_sizes_are_written_in_one_place():
   copies = [f'{module}: {m.group(0)}' for module, text in _sources_except('parallel.hlo_arrays')
             for m in re.finditer(r"""['"](?:bf16|f32|s8)['"]\s*:\s*\d""", text)]
   assert copies == []
+
+
+def test_the_library_defines_no_command_line():
+  """The programs a user types live in cli/ (and main.py, bench/, sweep/): the library below them
+  defines no absl flag, so importing it never claims a flag name, and train/ holds no program
+  (its old program names only hand over to cli/)."""
+  claims = [f'{module}: {m.group(0)}' for module, text in _sources_except(None)
+            if module.split('.')[0] in ALLOWED for m in re.finditer(r'flags\.DEFINE_\w+', text)]
+  parsers = [module for module, text in _sources_except(None)
+             if module.startswith('train.') and 'argparse' in text]
+  assert claims == [] and parsers == []

@@ -1,8 +1,8 @@
-"""memory/buffers.py reads what a compiled step holds at its peak; with it, ZeRO-2's update is seen
+"""bench/peak_buffers.py reads what a compiled step holds at its peak; with it, ZeRO-2's update is seen
 to write its new weights a layer at a time instead of gathering whole stacks beside them."""
 from configs import default
 from configs.layouts import layout_config
-from memory.buffers import compile_with_dumps, read_peak
+from bench.peak_buffers import compile_with_dumps, read_peak
 from train import run
 
 # Parameters dominate: wide layers, a short batch (the layout tests' stage_bytes shape).

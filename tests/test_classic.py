@@ -1,8 +1,8 @@
-"""memory/classic.py: the classic memory figures come out of the analytic model, and this project's
+"""bench/classic_memory.py: the classic memory figures come out of the analytic model, and this project's
 recipes come in under them by the factors their bytes per parameter say."""
 import pytest
 
-from memory import classic
+from bench import classic_memory as classic
 
 ROWS = classic.training_rows()
 

@@ -1,15 +1,18 @@
-"""`python -m train.generate`: samples from a trained run's checkpoint; greedy output is the argmax of
+"""`python -m cli.generate` (and its old name, `train.generate`): samples from a trained run's checkpoint; greedy output is the argmax of
 a full forward pass without the cache; the same seed repeats; top-k and top-p truncate as defined;
 a missing run, a missing checkpoint and a prompt longer than the context are refused in one line."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from cli.generate import main
 from tests.helpers import reordered_rtol, tiny_config
 from train import ptq, run
-from train.generate import generate_text, main
+from train.generate import generate_text
 from train.sample import truncated
 
 
@@ -82,3 +85,17 @@ def test_a_missing_run_checkpoint_or_room_is_refused_in_one_line(plain, tmp_path
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert why in error and error.count('\n') == 1, error
+
+
+def test_the_old_command_names_still_run_the_programs(tmp_path):
+  """`python -m train.generate` (and evaluate, export_hf) moved to cli/; the old names run the same
+  program: its refusal, its exit status."""
+  import subprocess
+  import sys
+  for old in ('train.generate', 'train.evaluate', 'train.export_hf'):
+    args = [f'--workdir={tmp_path}/none'] + (['--prompt=x'] if old == 'train.generate' else
+                                             ['--out=x'] if old == 'train.export_hf' else [])
+    done = subprocess.run([sys.executable, '-m', old, *args], capture_output=True, text=True,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=300)
+    assert done.returncode != 0 and 'error:' in done.stderr and f'{tmp_path}/none' in done.stderr, (
+        old, done.returncode, done.stderr[-2000:])

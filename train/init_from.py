@@ -151,7 +151,7 @@ def _run_source(workdir: str, steps: list[int] | None = None) -> Source:
     saved = json.load(f)
   if saved.get('lora', {}).get('rank', 0):
     raise InitError(f'init_from=run:{workdir} is a LoRA run (lora.rank={saved["lora"]["rank"]}); '
-                    f'export it merged (python -m train.export_hf) and use init_from=hf:DIR')
+                    f'export it merged (python -m cli.export_hf) and use init_from=hf:DIR')
   checkpoints = Checkpointer(directory, keep=1 << 30)
   steps = agreed('init_from/steps', checkpoints.steps) if steps is None else steps
   if not steps:

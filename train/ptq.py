@@ -72,7 +72,7 @@ def restore_params(workdir: str, config, step: int | None = None) -> dict:
   if config.lora.rank:
     raise CheckpointError(f'{workdir} is a LoRA run (lora.rank={config.lora.rank}): its weights are '
                           f'a frozen base and adapters, which post-training quantization does not '
-                          f'read; export them merged with python -m train.export_hf')
+                          f'read; export them merged with python -m cli.export_hf')
   return restore_weights(workdir, config, step)[0]
 
 

@@ -1,6 +1,6 @@
 """The classic memory table (1B: 4 GB to store in fp32, 24 GB to train; 175B: 4.2 TB; 500B: 12 TB)
 from the analytic memory model, beside what this project's recipes need per device, as markdown and
-as a log-scale bar chart. Assumptions: memory/classic.py's docstring. Nothing is compiled or run.
+as a log-scale bar chart. Assumptions: bench/classic_memory.py's docstring. Nothing is compiled or run.
 
   python -m bench.studies.classic [--png=bench/results/classic_memory.png]
 """
@@ -21,7 +21,7 @@ def _gb(n: float) -> str:
 
 
 def markdown() -> str:
-  from memory import classic
+  from bench import classic_memory as classic
   formats = classic.STORAGE_FORMATS
   lines = ['Storing the weights (GB = 1e9 bytes; no quantization scales, as in the classic '
            'figures)', '',
@@ -66,7 +66,7 @@ def write_png(path: str) -> None:
   import matplotlib.pyplot as plt
   import numpy as np
 
-  from memory import classic
+  from bench import classic_memory as classic
   rows = classic.training_rows()
   models, recipes = list(classic.MODELS), [r.name for r in classic.RECIPES]
   width = 0.8 / len(recipes)
