@@ -11,6 +11,7 @@ from sweep.charts import draw
 from sweep.metrics import METRICS, PointFiles
 from sweep.runner import LOG_FILE, point_workdir, read_status
 from sweep.spec import Sweep, config_of
+from train.metrics import tensorboardx
 
 
 def rows(sweep: Sweep, directory: str) -> list[dict]:
@@ -122,7 +123,7 @@ def write_tensorboard(sweep: Sweep, table: list[dict], directory: str) -> None:
   DIR/tensorboard (rewritten whole each time)."""
   import shutil
 
-  from tensorboardX import SummaryWriter
+  SummaryWriter = tensorboardx().SummaryWriter
   root = os.path.join(directory, 'tensorboard')
   staging = root + '.tmp'
   shutil.rmtree(staging, ignore_errors=True)

@@ -5,12 +5,25 @@ checkpoint) first cuts both back to the rows it will not log again: the steps be
 starts from. Steps after the checkpoint are trained again and logged again; keeping their old rows
 would give every such step twice.
 """
+import importlib
 import json
 import os
 import struct
+import sys
 
-from tensorboardX import SummaryWriter
-from tensorboardX.proto import event_pb2
+
+def tensorboardx(module: str = 'tensorboardX'):
+  """tensorboardX (or one of its modules), imported without torch: where torch is installed,
+  tensorboardX imports it only to accept its tensors, 3 s of every run's start on this machine
+  (`python -X importtime -c "import train.run"`), and we log Python floats. Where torch is
+  already imported, it is left as it is."""
+  if 'torch' in sys.modules:
+    return importlib.import_module(module)
+  sys.modules['torch'] = None   # `import torch` raises ImportError, which tensorboardX allows
+  try:
+    return importlib.import_module(module)
+  finally:
+    del sys.modules['torch']
 
 
 class MetricsWriter:
@@ -28,7 +41,7 @@ class MetricsWriter:
     truncate_jsonl(self._path, keep_before)
     truncate_events(self._events, keep_before)
     self._jsonl = open(self._path, 'a', encoding='utf-8')
-    self._tensorboard = SummaryWriter(self._events)
+    self._tensorboard = tensorboardx().SummaryWriter(self._events)
 
   def rewrite(self, step: int, values: dict) -> None:
     """Write `step`'s row again, whole, in place of the last one logged (it must be the last):
@@ -109,7 +122,7 @@ def event_files(directory: str) -> list[str]:
           if 'tfevents' in name]
 
 
-def event_records(path: str) -> list[tuple[bytes, event_pb2.Event]]:
+def event_records(path: str) -> list[tuple[bytes, object]]:
   """An event file's records, each (its bytes, the Event): a TFRecord file of length, its CRC,
   the serialized Event, its CRC. Stops at a torn or undecodable record (a process killed while
   writing it)."""
@@ -122,7 +135,7 @@ def event_records(path: str) -> list[tuple[bytes, event_pb2.Event]]:
     if end > len(data):
       break
     try:
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      event = tensorboardx('tensorboardX.proto.event_pb2').Event.FromString(data[offset + 12:offset + 12 + length])
     except Exception:   # protobuf's DecodeError
       break
     records.append((data[offset:end], event))
