@@ -1,11 +1,33 @@
 """Test session set-up: 8 simulated CPU devices, so multi-device layouts run on any machine; and
-JAX's persistent compilation cache off (JAX's own switch, which `main.py` honours), so that no run of
-the suite writes to the user's cache or reads a program compiled by another test.
+JAX's persistent compilation cache in a directory of the suite's own, shared by its workers and
+every `main.py` it starts (JAX_COMPILATION_CACHE_DIR, which `configs/default.py` takes as the
+default `compile_cache`), removed when the suite ends. So no run of the suite writes to the user's
+cache or reads from it, and a program that several tests compile alike (the tiny preset's train
+step, under many tests) is compiled once. A cached program is the compiled program itself, looked
+up by its HLO, options and devices: what a test computes does not depend on which test compiled
+it first.
 
-The flag must be set before JAX initialises its backends, which is why it lives here.
+The flags must be set before JAX initialises its backends, which is why they live here.
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
+
+
+def pytest_configure(config):
+  """The controller (or a run without workers) makes the suite's cache; the workers, started
+  after this, inherit its path through the environment."""
+  if not hasattr(config, "workerinput"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlm-suite-jax-cache-")
+    config.suite_cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  from train import compile_cache
+  compile_cache.enable(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+def pytest_unconfigure(config):
+  if hasattr(config, "suite_cache"):
+    shutil.rmtree(config.suite_cache, ignore_errors=True)
