@@ -19,6 +19,8 @@ import glob
 import os
 import re
 
+from parallel import collectives
+
 _ALLOCATION = re.compile(r'^allocation (\d+): size (\d+)(.*):\s*$')
 _VALUE = re.compile(r'^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$')
 _LIVE = re.compile(r'^\s+(\S+):(\d+)-(\d+)\s*$')
@@ -45,8 +47,8 @@ class Peak:
 
 def compile_with_dumps(lowered, directory: str):
   """`lowered.compile()` with XLA's text dumps written to `directory` (debug options of this
-  compile only: other compiles are unaffected)."""
-  return lowered.compile(compiler_options={'xla_dump_to': directory})
+  compile only: other compiles are unaffected; never served from the persistent cache)."""
+  return collectives.compile_with_dumps(lowered, {'xla_dump_to': directory})
 
 
 def _normalise(name: str) -> str:

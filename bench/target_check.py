@@ -75,8 +75,9 @@ def probe(directory: str) -> dict:
   """The device, and its description as XLA dumps it (None on a CPU)."""
   import subprocess
   dump = os.path.join(directory, 'probe-dump')
+  # The persistent cache off: a probe loaded from it would dump nothing.
   env = {**os.environ, 'XLA_FLAGS': f'--xla_dump_to={dump} --xla_dump_hlo_module_re=.*probe.*',
-         'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
+         'XLA_PYTHON_CLIENT_PREALLOCATE': 'false', 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
   done = subprocess.run([sys.executable, '-c', PROBE], cwd=ROOT, env=env, capture_output=True,
                         text=True)
   if done.returncode:

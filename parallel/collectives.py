@@ -21,6 +21,9 @@ import os
 import re
 import tempfile
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
 from parallel.hlo_arrays import arrays
 
 KINDS = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
@@ -151,12 +154,26 @@ def partitioned_collectives(lowered, num_devices: int) -> dict[str, dict[str, in
   return collective_stats(partitioned_text(lowered), num_devices)
 
 
+def compile_with_dumps(lowered, compiler_options: dict):
+  """`lowered.compile(compiler_options)` for the files XLA dumps while it compiles, with JAX's
+  persistent compilation cache off for this compile: the cache's key leaves the dump options out,
+  so a program compiled before (or with other dumps) would be loaded from it and nothing dumped."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()   # JAX decides once whether the cache is used: decide again
+  try:
+    return lowered.compile(compiler_options=compiler_options)
+  finally:
+    jax.config.update('jax_enable_compilation_cache', enabled)
+    compilation_cache.reset_cache()
+
+
 def partitioned_text(lowered) -> str:
   """The HLO text of a lowered jit program as the SPMD partitioner leaves it. Compiles it once
   more, with XLA dumping the partitioner's output to a scratch folder."""
   with tempfile.TemporaryDirectory() as folder:
-    lowered.compile(compiler_options={'xla_dump_to': folder,
-                                      'xla_dump_hlo_pass_re': 'spmd-partitioning'})
+    compile_with_dumps(lowered, {'xla_dump_to': folder,
+                                 'xla_dump_hlo_pass_re': 'spmd-partitioning'})
     dumps = sorted(glob.glob(os.path.join(folder, '*after_spmd-partitioning*.txt')))
     if not dumps:
       raise RuntimeError('XLA wrote no dump after spmd-partitioning; this XLA names its passes '

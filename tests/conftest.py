@@ -20,8 +20,8 @@ os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
 
 def pytest_configure(config):
   """The controller (or a run without workers) makes the suite's cache; the workers, started
-  after this, inherit its path through the environment."""
-  if not hasattr(config, "workerinput"):
+  after this, inherit its path through the environment (a worker that did not makes its own)."""
+  if not hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlm-suite-jax-cache-")
     config.suite_cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
   from train import compile_cache

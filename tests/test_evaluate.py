@@ -1,5 +1,5 @@
 """Tests for train/validation.py (the figures and their standard errors) and train/evaluate.py
-(`python -m train.evaluate`)."""
+(`python -m cli.evaluate`)."""
 import json
 import math
 

@@ -304,7 +304,7 @@ def check_source(s: Setup, source: Source) -> list[BaseLeaf]:
 
 
 def initial_state(s: Setup, source: Source) -> dict:
-  """The train state of a fresh run whose base weights come from `source` (s: run.Setup)."""
+  """The train state of a fresh run whose base weights come from `source`."""
   spec, layout = s.spec, s.layout
   leaves = [leaf for leaf in base_leaves(s) if leaf.layer is not None or not source.kernels_only]
   quantized = {leaf.path for leaf in leaves if leaf.quantized}

@@ -42,7 +42,7 @@ class LoopEnd:
 
 def train_loop(s: Setup, compiled, state: dict, start: int, batches, global_batch, checkpoints,
                meta: dict, evaluator, workdir: str, stops: StopRequests) -> LoopEnd:
-  """Runs steps start + 1 .. train.steps of the compiled step `compiled` (s: run.Setup).
+  """Runs steps start + 1 .. train.steps of the compiled step `compiled`.
   `global_batch` turns a process's rows into the global batch; `evaluator(state, step)` returns
   the validation figures; `meta` goes into every checkpoint beside the state; `stops`: the
   installed signal handlers and wall-clock saves (train/preemption.py)."""

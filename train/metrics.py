@@ -126,6 +126,7 @@ def event_records(path: str) -> list[tuple[bytes, object]]:
   """An event file's records, each (its bytes, the Event): a TFRecord file of length, its CRC,
   the serialized Event, its CRC. Stops at a torn or undecodable record (a process killed while
   writing it)."""
+  event_pb2 = tensorboardx('tensorboardX.proto.event_pb2')
   with open(path, 'rb') as f:
     data = f.read()
   records, offset = [], 0
@@ -135,7 +136,7 @@ def event_records(path: str) -> list[tuple[bytes, object]]:
     if end > len(data):
       break
     try:
-      event = tensorboardx('tensorboardX.proto.event_pb2').Event.FromString(data[offset + 12:offset + 12 + length])
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
     except Exception:   # protobuf's DecodeError
       break
     records.append((data[offset:end], event))

@@ -81,16 +81,17 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   per_device = (PerDevice(mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
                 if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated else None)
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
-  offloaded = None
+  offloaded_optimizer = None
   if offload:
-    offloaded = OffloadedOptimizer(
+    offloaded_optimizer = OffloadedOptimizer(
         lambda norm: tx_for_norm(global_norm=norm), layout.stacked, layout.layer_shardings,
         _keyed(layout.update_shardings),
         dict(zip(_keyed(layout.true['params']), layout.update_shapes.leaves, strict=True)))
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout=layout, per_device=per_device,
                             dropout_seed=config.train.seed if dropout else None,
-                            stack=pipeline_stack(schedule, config, rules), offload=offloaded)
+                            stack=pipeline_stack(schedule, config, rules),
+                            offload=offloaded_optimizer)
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
