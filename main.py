@@ -52,7 +52,8 @@ def _init_jax(config, plan_devices: int | None = None, gpu_target: bool = False)
   from parallel import xla_flags
   from train import compile_cache
   try:
-    compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE))
+    compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE)
+                         if compile_cache.serves(config, gpu_target) else '')
   except compile_cache.CacheDirError as e:
     sys.exit(f'error: {e}')
   if gpu_target:

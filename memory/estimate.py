@@ -909,7 +909,7 @@ def offloaded(cfg: ModelConfig, policy: Policy, shape: StepShape,
         dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat]), policy, shape)
   if shape.offload_frozen and frozen is not None:
     parts['frozen'] = frozen.base_bytes * shape.stage_params(cfg) / cfg.num_params / shards(
-        cfg, shape, 3)
+        cfg, shape, 'params')
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())
   return parts

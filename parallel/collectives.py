@@ -16,6 +16,7 @@ what a backend with bf16 matmuls (a GPU) moves. Its loops carry no trip-count an
 scan's is read from its condition (`i < N`).
 """
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -154,18 +155,26 @@ def partitioned_collectives(lowered, num_devices: int) -> dict[str, dict[str, in
   return collective_stats(partitioned_text(lowered), num_devices)
 
 
-def compile_with_dumps(lowered, compiler_options: dict):
-  """`lowered.compile(compiler_options)` for the files XLA dumps while it compiles, with JAX's
-  persistent compilation cache off for this compile: the cache's key leaves the dump options out,
-  so a program compiled before (or with other dumps) would be loaded from it and nothing dumped."""
+@contextlib.contextmanager
+def persistent_cache_off():
+  """JAX's persistent compilation cache off inside, as it was after (JAX decides once whether the
+  cache is used; resetting it makes JAX decide again)."""
   enabled = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', False)
-  compilation_cache.reset_cache()   # JAX decides once whether the cache is used: decide again
+  compilation_cache.reset_cache()
   try:
-    return lowered.compile(compiler_options=compiler_options)
+    yield
   finally:
     jax.config.update('jax_enable_compilation_cache', enabled)
     compilation_cache.reset_cache()
+
+
+def compile_with_dumps(lowered, compiler_options: dict):
+  """`lowered.compile(compiler_options)` for the files XLA dumps while it compiles, with the
+  persistent cache off: its key leaves the dump options out, so a program compiled before (or with
+  other dumps) would be loaded from it and nothing dumped."""
+  with persistent_cache_off():
+    return lowered.compile(compiler_options=compiler_options)
 
 
 def partitioned_text(lowered) -> str:

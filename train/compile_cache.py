@@ -48,6 +48,18 @@ def enable(directory: str) -> str | None:
   return path
 
 
+def serves(config, gpu_target: bool = False) -> bool:
+  """Whether the cache can serve this run's programs. Not a GPU target's compiled on a CPU
+  (XLA:GPU's executables need a GPU's client to load: JAX warns and compiles again, every time),
+  and not a run that keeps state or activations in host memory: on XLA:CPU (jax 0.10.2) such a
+  step loaded from the cache aborts the process (`tests/test_offload.py`, with the suite's cache
+  on), so it is kept out everywhere."""
+  host_memory = (config.parallel.get('offload_optimizer', False)
+                 or config.parallel.get('offload_frozen', False)
+                 or config.model.get('remat', 'none') in ('offload', 'dots_offload'))
+  return not gpu_target and not host_memory
+
+
 def cache_dir() -> str | None:
   """The cache directory compiles use now, or None when the cache is off."""
   path = jax.config.jax_compilation_cache_dir
