@@ -5,7 +5,7 @@ default `compile_cache`), removed when the suite ends. So no run of the suite wr
 cache or reads from it, and a program that several tests compile alike (the tiny preset's train
 step, under many tests) is compiled once. A cached program is the compiled program itself, looked
 up by its HLO, options and devices: what a test computes does not depend on which test compiled
-it first.
+it first. Programs compile at XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
 """
@@ -13,9 +13,12 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # read when jax is imported, as the next switch is
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
+
+from tests.helpers import QUICK_COMPILE  # noqa: E402  (imports jax, after the two above)
+
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
 
 
 def pytest_configure(config):

@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache (train/compile_cache.py): on by default in a per-user
 directory, another with `compile_cache`, off with `compile_cache=''`; a rerun loads the train step
 instead of compiling it; memory.json and the log report the compile's seconds. Real `main.py`
-processes, each with its cache in a temporary directory (the suite's own runs keep it off:
-tests/conftest.py)."""
+processes, each with its cache in a temporary directory (the suite's own cache, tests/conftest.py,
+is left out of their environment)."""
 import json
 import os
 import subprocess
@@ -10,17 +10,18 @@ import sys
 
 import pytest
 
+from tests.helpers import child_environ
 from tests.test_run import ROOT, small_corpus
 from train import compile_cache
 
 
 def main_py(*args, **env):
-  """main.py with JAX's own cache switch left alone (the suite turns it off) and `env` added."""
-  environ = {k: v for k, v in os.environ.items()
+  """main.py without the suite's cache settings, and with `env` added."""
+  environ = {k: v for k, v in child_environ().items()
              if k not in ('JAX_ENABLE_COMPILATION_CACHE', 'JAX_COMPILATION_CACHE_DIR')}
   return subprocess.run([sys.executable, os.path.join(ROOT, 'main.py'),
                          '--config=configs/default.py:tiny', *args],
-                        cwd=ROOT, env={**environ, 'XLA_FLAGS': '', **env},
+                        cwd=ROOT, env={**environ, **env},
                         capture_output=True, text=True, timeout=600)
 
 

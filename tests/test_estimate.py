@@ -12,6 +12,7 @@ from bench.studies.memory_matrix import compare
 from memory.estimate import StepShape, estimate, saved_per_token_per_layer
 from models.config import ModelConfig
 from precision.policy import get_policy
+from tests.helpers import child_environ
 
 TOLERANCE = 0.10
 # Known, measured, to be fixed under issue 30: on jaxlib 0.11 and 0.12 (bf16 matmuls native on the
@@ -188,7 +189,7 @@ def test_the_formerly_worst_layouts_meet_the_compiler(tmp_path, preset, layout, 
       [sys.executable, os.path.join(root, 'main.py'), f'--config=configs/default.py:{preset}',
        '--dry_run', f'--host_devices={devices}', f'--workdir={tmp_path}',
        *(f'--config.{k}={v}' for k, v in overrides.items())],
-      cwd=root, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True)
+      cwd=root, env=child_environ(), capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-2000:]
   with open(tmp_path / 'memory.json') as f:
     memory = json.load(f)

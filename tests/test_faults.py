@@ -16,7 +16,7 @@ import pytest
 from configs.layouts import layout_config
 from optim.adam8bit import is_quantized_moment
 from quant.blockwise import dequantize_blockwise
-from tests.helpers import tiny_config
+from tests.helpers import child_environ, tiny_config
 from tests.test_run import ROOT, losses_by_step, read_metrics, small_corpus
 from train import run
 from train.checkpoint import Checkpointer, CheckpointError
@@ -32,7 +32,7 @@ def main_args(workdir, corpus, *overrides):
 
 
 def start(args) -> subprocess.Popen:
-  return subprocess.Popen(args, cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, text=True,
+  return subprocess.Popen(args, cwd=ROOT, env=child_environ(), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -223,7 +223,7 @@ def test_an_io_error_during_a_restore_changes_nothing_and_says_run_again(tmp_pat
   before = _files(workdir)
   result = subprocess.run([sys.executable, '-c', RESTORE_WITHOUT_FILE_DESCRIPTORS,
                            str(workdir / 'checkpoints')], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'},
+                          env=child_environ('--xla_force_host_platform_device_count=8'),
                           timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith(f'{workdir}/checkpoints/6 could not be read ('), result.stdout
@@ -324,7 +324,7 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_one_line(tmp_path):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
          '--dry_run', f'--workdir={workdir}'], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, 'XLA_FLAGS': ''}, timeout=300)
+        env=child_environ(), timeout=300)
     assert result.returncode == 1 and 'Traceback' not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(
         f'error: --workdir={workdir} is in use by a live run (pid {os.getpid()} on ')

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from configs.layouts import layout_config
+from tests.helpers import child_environ
 from tests.test_run import ROOT, small_corpus
 from train import run
 from train.checkpoint import Checkpointer
@@ -46,7 +47,7 @@ def both_processes(args) -> list[tuple[str, str]]:
   port = free_port()
   procs = [subprocess.Popen(args + [
       '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
+      f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT, env=child_environ(),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   outputs = [p.communicate(timeout=600) for p in procs]
   for p, (out, err) in zip(procs, outputs):
@@ -58,7 +59,7 @@ def both_processes(args) -> list[tuple[str, str]]:
 def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('multihost')
   corpus = small_corpus(tmp)
-  env = {**os.environ, 'XLA_FLAGS': ''}
+  env = child_environ()
   single = tmp / 'single'
   subprocess.run(main_args(single, corpus) + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
                  capture_output=True, timeout=600)
@@ -108,7 +109,7 @@ def test_a_run_of_two_processes_resumes_on_one_with_fewer_devices(runs, tmp_path
   corpus = json.load(open(workdir / 'config.json'))['data']['path']
   args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
   result = subprocess.run(args + [f'--config.train.steps={STEPS + 2}', '--host_devices=2'],
-                          cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True,
+                          cwd=ROOT, env=child_environ(), capture_output=True,
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f'resumed     from step {STEPS}' in result.stdout
@@ -178,7 +179,7 @@ def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp
       [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
        f'--workdir={tmp_path}', '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}',
        '--num_processes=2', '--process_id=1', '--coordinator_timeout=5'],
-      cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=120)
+      cwd=ROOT, env=child_environ(), capture_output=True, text=True, timeout=120)
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert f'127.0.0.1:{port}' in last and 'coordinator_timeout=5 s' in last, result.stderr[-2000:]
@@ -193,7 +194,7 @@ def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp
 def test_bad_multi_host_flags_are_refused_in_one_line(tmp_path, flags, message):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
-       f'--workdir={tmp_path / "w"}', *flags], cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''},
+       f'--workdir={tmp_path / "w"}', *flags], cwd=ROOT, env=child_environ(),
       capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and 'Traceback' not in result.stderr
   assert message in result.stderr.strip().splitlines()[-1]
@@ -208,7 +209,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_p
   procs = [subprocess.Popen(args + [
       '--config.train.steps=100000', '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}',
       '--num_processes=2', f'--process_id={i}', '--coordinator_timeout=60'], cwd=ROOT,
-      env={**os.environ, 'XLA_FLAGS': ''}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      env=child_environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       text=True) for i in range(2)]
   wait_for_step(workdir, procs[0], 5)
   procs[1].send_signal(signal.SIGTERM)   # the preempted host need not be the one that reports
@@ -243,7 +244,7 @@ def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_
   def start_both():
     port = free_port()
     return [subprocess.Popen(args + [f'--coordinator_address=127.0.0.1:{port}', f'--process_id={i}'],
-                             cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, stdout=subprocess.PIPE,
+                             cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(2)]
 
   procs = start_both()

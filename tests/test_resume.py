@@ -10,13 +10,14 @@ import subprocess
 
 import pytest
 
+from tests.helpers import child_environ
 from tests.test_faults import main_args
 from tests.test_run import ROOT, read_metrics, small_corpus
 from train.metrics import event_files, event_records
 
 
 def run(args) -> subprocess.CompletedProcess:
-  return subprocess.run(args, cwd=ROOT, env={**os.environ, 'XLA_FLAGS': ''}, text=True,
+  return subprocess.run(args, cwd=ROOT, env=child_environ(), text=True,
                         capture_output=True, timeout=600)
 
 
@@ -126,7 +127,7 @@ def test_sigterm_during_the_first_evaluation_stops_cleanly(tmp_path):
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'run'
   proc = subprocess.Popen(main_args(workdir, corpus, '--config.train.steps=1000'), cwd=ROOT,
-                          env={**os.environ, 'XLA_FLAGS': '', 'PYTHONUNBUFFERED': '1'}, text=True,
+                          env=child_environ(PYTHONUNBUFFERED='1'), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   for line in proc.stdout:
     if line.startswith('collectives'):   # the summary's last line: the step is compiled

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from data import DataError
-from tests.helpers import tiny_config
+from tests.helpers import child_environ, tiny_config
 from train import checks, run
 from train.checkpoint import CheckpointError
 
@@ -153,7 +153,7 @@ def test_bad_prepared_data_is_refused_before_anything_is_written(tmp_path):
 
 
 def main_py(*args, cwd=ROOT):
-  env = {**os.environ, 'XLA_FLAGS': ''}
+  env = child_environ()
   return subprocess.run([sys.executable, os.path.join(ROOT, 'main.py'), *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
 
