@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from quant.blockwise import (dequantize_blocks, from_blocks, quantize_blockwise,
-                             quantize_blocks, to_blocks)
+from quant.blockwise import (dequantize_blocks, from_blocks, quantize_blocks, to_blocks,
+                             zero_blocks)
 
 BLOCK_SIZES = (256, 2048)
 # A quantized moment is updated in this many slices (one at a time, in a loop), so that its fp32
@@ -52,13 +52,12 @@ def _check_block_size(block_size: int) -> None:
 
 
 def _init(block_size: int, min_quantized_size: int):
-  def store(x, p, signed):
+  def zeros(p, signed):
     if p.size >= min_quantized_size:
-      return quantize_blockwise(x, block_size, signed)
-    return x.astype(jnp.float32)
+      return zero_blocks(p.shape, block_size, signed)
+    return jnp.zeros(p.shape, jnp.float32)
 
   def init_fn(params):
-    zeros = lambda p, signed: store(jnp.zeros(p.shape, jnp.float32), p, signed)
     return ScaleByAdam8bitState(
         count=jnp.zeros([], jnp.int32),
         mu=jax.tree.map(lambda p: zeros(p, True), params),

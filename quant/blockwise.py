@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 DECADES = 7
+# Where the code books below hold 0: after the 127 negative entries (signed), or first.
+ZERO_INDEX = {True: 127, False: 0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +60,7 @@ def _code_index(normed: jax.Array, signed: bool) -> jax.Array:
   rank = ((count - (1 if signed else 2)) + within).astype(jnp.int32)  # smaller decades first
   code = dynamic_code(signed)
   smallest, largest = float(code[code > 0][0]), float(code[-2])
-  zero_index, one_index = (127, 255) if signed else (0, 255)
+  zero_index, one_index = ZERO_INDEX[signed], 255
   magnitude_index = (128 + rank) if signed else (1 + rank)
   index = jnp.where(magnitude < smallest / 2, zero_index,
                     jnp.where(magnitude > (largest + 1) / 2, one_index, magnitude_index))
@@ -86,6 +88,16 @@ def quantize_blocks(blocks: jax.Array, signed: bool) -> dict:
   scale = jnp.max(jnp.abs(blocks), axis=1)
   normed = blocks / jnp.where(scale > 0, scale, 1.0)[:, None]
   return {'codes': _code_index(normed, signed), 'scale': scale}
+
+
+def zero_blocks(shape: tuple, block_size: int, signed: bool) -> dict:
+  """`quantize_blockwise` of zeros of `shape`, written out: every code the zero entry's, every
+  scale 0. Quantizing a zero constant instead would have XLA:GPU fold the whole quantization at
+  compile time (seconds for a few million values, in the state's creation)."""
+  size = int(np.prod(shape)) if shape else 1
+  blocks = -(-size // block_size)
+  return {'codes': jnp.full((blocks, block_size), ZERO_INDEX[signed], jnp.uint8),
+          'scale': jnp.zeros((blocks,), jnp.float32)}
 
 
 def dequantize_blocks(q: dict, signed: bool) -> jax.Array:

@@ -7,7 +7,7 @@ import pytest
 
 from optim.adam8bit import scale_by_adam_8bit
 from parallel.collectives import collective_stats
-from quant.blockwise import dequantize_blockwise, dynamic_code, quantize_blockwise
+from quant.blockwise import dequantize_blockwise, dynamic_code, quantize_blockwise, zero_blocks
 from tests.helpers import tiny_config
 from train import checks, run
 
@@ -35,6 +35,18 @@ def test_blockwise_round_trip_error_is_within_half_a_code_gap_of_each_block(sign
   blocks = np.pad(np.abs(x - y).reshape(-1), (0, (-x.size) % 256)).reshape(-1, 256)
   assert np.all(blocks.max(axis=1) <= bound * scales + 1e-7)
   assert q['codes'].dtype == jnp.uint8
+
+
+@pytest.mark.parametrize('signed', [True, False])
+@pytest.mark.parametrize('shape, block_size', [((37, 211), 256), ((4096,), 2048), ((), 256)])
+def test_fresh_moments_are_quantized_zeros(signed, shape, block_size):
+  """The state's creation writes zero moments out rather than quantizing zeros (which XLA:GPU would
+  fold at compile time): the same codes and scales, ragged last block included."""
+  made = zero_blocks(shape, block_size, signed)
+  quantized = quantize_blockwise(jnp.zeros(shape, jnp.float32), block_size, signed)
+  for key in ('codes', 'scale'):
+    assert made[key].dtype == quantized[key].dtype
+    np.testing.assert_array_equal(made[key], quantized[key])
 
 
 def test_small_tensors_keep_fp32_moments():
