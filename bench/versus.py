@@ -194,7 +194,9 @@ def torch_device(asked: str, programs: list[str]) -> str:
 
 def on_accelerator() -> bool:
   """Whether JAX's default backend here is an accelerator (asked in a child process: this one
-  must not hold the device's memory its workers need)."""
+  must not hold the device's memory its workers need). JAX_PLATFORMS=cpu answers without one."""
+  if os.environ.get('JAX_PLATFORMS', '').split(',') == ['cpu']:
+    return False
   from bench.gpu import probe_device
   return probe_device()['platform'] != 'cpu'
 
