@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # read when jax is imported, as the next switch is
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
 
@@ -34,3 +36,13 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if hasattr(config, "suite_cache"):
     shutil.rmtree(config.suite_cache, ignore_errors=True)
+
+
+@pytest.fixture(scope='module')
+def suite_cache_off():
+  """The suite's persistent cache off for a module whose programs it cannot serve, as a run turns
+  it off for them (train/compile_cache.py:serves): a step with state in host memory loaded from it
+  aborts XLA:CPU; a GPU target's executable cannot be loaded on a CPU."""
+  from parallel.collectives import persistent_cache_off
+  with persistent_cache_off():
+    yield

@@ -12,18 +12,12 @@ import numpy as np
 import pytest
 
 from optim.master import master_weights
-from parallel.collectives import persistent_cache_off
 from tests.helpers import checkpoint_round_trip, reordered_rtol, tiny_config
 from tests.test_layouts import config_for, train_from
 from train import checks, run
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _persistent_cache_off():
-  """As a run does: a step with state in host memory, loaded from the
-  persistent cache, aborts XLA:CPU (train/compile_cache.py:serves): the suite's cache is off here."""
-  with persistent_cache_off():
-    yield
+pytestmark = pytest.mark.usefixtures('suite_cache_off')   # steps with state in host memory: tests/conftest.py
 
 
 OFFLOADED = 'pinned_host'

@@ -12,18 +12,12 @@ import pytest
 from configs.gpu_targets import DESCRIPTIONS, description_differences, parse_text_proto
 from configs.hardware import DEVICE_KINDS, GPUS
 from parallel import target as target_lib
-from parallel.collectives import persistent_cache_off
 from plan.target import compile_devices, parse_target
 from tests.helpers import tiny_config
 from tests.test_run import ROOT, main_py
 
 
-@pytest.fixture(autouse=True, scope='module')
-def _persistent_cache_off():
-  """As a run does: a GPU target's executable cannot be loaded from the
-  persistent cache on a CPU (train/compile_cache.py:serves): the suite's cache is off here."""
-  with persistent_cache_off():
-    yield
+pytestmark = pytest.mark.usefixtures('suite_cache_off')   # GPU targets' executables: tests/conftest.py
 
 
 needs_plugin = pytest.mark.skipif(
