@@ -37,9 +37,10 @@ def test_the_fsdp_dry_run_figures_are_those_recorded():
   recorded = recorded_for(jax.__version__)
   if recorded is None:   # a stack the project does not name: nothing recorded to compare with
     pytest.skip(f'no figures recorded under jax {jax.__version__} (record with bench.figures --out)')
-  # A process of its own: bench.figures defines absl flags, as the run does.
+  # A process of its own: bench.figures defines absl flags, as the run does. Compiled as a user
+  # compiles, without the suite's quicker compile (tests/helpers.py:QUICK_COMPILE).
   result = subprocess.run([sys.executable, '-m', 'bench.figures', '--only=fsdp',
                            f'--against={recorded}'], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=900, env={**os.environ, 'XLA_FLAGS': ''})
   assert result.returncode == 0 and 'fsdp       ok, unchanged' in result.stdout, (
       result.stdout + result.stderr[-2000:])
