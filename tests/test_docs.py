@@ -15,7 +15,9 @@ never in the project, and later blocks of the same guide see what earlier ones w
 - `expect=REGEX`: the block's output must match;
 - `needs=MODULE`: run only where MODULE imports (torch is a test requirement of the pinned stack
   only);
-- `skip REASON`: not run (a SLURM script, the suite itself, CUDA wheels); the reason is required.
+- `skip REASON`: not run (a SLURM script, the suite itself, CUDA wheels); the reason is required;
+- `run-by=tests/FILE.py`: run by that file's test, which checks what it writes
+  (`run_documented(guide, command, directory)`), rather than a second time here.
 
 `pip install -r FILE` is not run (CI installs from nothing); the file must exist. Inline code in the
 prose may name a command (`python -m data.prepare`) but not give its flags: commands with flags
@@ -143,6 +145,7 @@ def _importable(module: str) -> bool:
 
 
 FIXTURES = {'corpus': _make_corpus, 'hf_llama': _make_hf_llama}
+FIXTURE_PATHS = {'corpus': 'corpus', 'hf_llama': 'hf-models'}   # what each makes
 
 
 LINKED = ('main.py', 'configs', 'sweeps')   # what the guides name by a relative path
@@ -152,15 +155,51 @@ def _sandbox(directory: str) -> dict:
   """A scratch directory where the guides' relative paths work and every output stays: the
   project's packages come from PYTHONPATH, and only what is read by path is linked in."""
   for name in LINKED:
-    os.symlink(os.path.join(ROOT, name), os.path.join(directory, name))
+    link = os.path.join(directory, name)
+    if not os.path.islink(link):   # a second block in the same directory finds them there
+      os.symlink(os.path.join(ROOT, name), link)
   path = os.environ.get('PYTHONPATH')
   return {**os.environ, 'PYTHONPATH': ROOT + (os.pathsep + path if path else '')}
 
 
+def _run_block(guide: str, block: dict, directory, directive: list[str]) -> str:
+  """One block's commands, as the module's docstring says, in `directory`: its output. Fails the
+  test where a command fails or an `expect=` is not in the output."""
+  where, env = f'{guide}:{block["line"]}', _sandbox(str(directory))
+  for token in directive:
+    name = token.split('=', 1)[1] if token.startswith('fixture=') else None
+    if name and not os.path.exists(os.path.join(directory, FIXTURE_PATHS[name])):
+      FIXTURES[name](str(directory))
+  script = ['set -euo pipefail', 'pids=()']
+  script += [_shell_line(c, directive) for c in commands(block['body'])]
+  script += ['for p in "${pids[@]}"; do wait "$p"; done']
+  result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=directory, env=env,
+                          capture_output=True, text=True, timeout=900)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, f'{where} failed (exit {result.returncode}):\n{output[-3000:]}'
+  for token in directive:
+    if token.startswith('expect='):
+      assert re.search(token.split('=', 1)[1], output), f'{where}: no {token} in\n{output[-3000:]}'
+  return output
+
+
+def run_documented(guide: str, command: str, directory, *extra: str) -> str:
+  """Runs the block of `guide` that holds `command` and says `run-by=` the calling test's file, in
+  `directory`, with `extra` directive tokens (e.g. 'bench.profile:--out=profile.json'): its
+  output. So one process serves both the guide and a test that asserts more about what it writes."""
+  block = next((b for b in blocks(guide) if b['kind'] == 'sh' and command in commands(b['body'])),
+               None)
+  assert block is not None, f'{guide} has no block with the command {command!r}'
+  return _run_block(guide, block, directory, block['directive'] + list(extra))
+
+
+def _run_by(directive: list[str]) -> str | None:
+  return next((t.split('=', 1)[1] for t in directive if t.startswith('run-by=')), None)
+
+
 @pytest.mark.parametrize('guide', GUIDES)
 def test_every_documented_command_runs(guide, tmp_path):
-  env = _sandbox(str(tmp_path))
-  made, ran = set(), 0
+  ran = 0
   for block in blocks(guide):
     if block['kind'] != 'sh':
       continue
@@ -171,20 +210,13 @@ def test_every_documented_command_runs(guide, tmp_path):
     missing = [t for t in directive if t.startswith('needs=') and not _importable(t[6:])]
     if missing:   # torch and transformers are test requirements of the pinned stack only
       continue
-    for token in directive:
-      if token.startswith('fixture=') and token not in made:
-        FIXTURES[token.split('=', 1)[1]](str(tmp_path))
-        made.add(token)
-    script = ['set -euo pipefail', 'pids=()']
-    script += [_shell_line(c, directive) for c in commands(block['body'])]
-    script += ['for p in "${pids[@]}"; do wait "$p"; done']
-    result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=900)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f'{where} failed (exit {result.returncode}):\n{output[-3000:]}'
-    for token in directive:
-      if token.startswith('expect='):
-        assert re.search(token.split('=', 1)[1], output), f'{where}: no {token} in\n{output[-3000:]}'
+    test_file = _run_by(directive)
+    if test_file:   # that test runs the block (run_documented) and checks what it writes
+      with open(os.path.join(ROOT, test_file), encoding='utf-8') as f:
+        assert f'run_documented({guide!r}' in f.read(), f'{where}: {test_file} does not run it'
+      ran += 1
+      continue
+    _run_block(guide, block, tmp_path, directive)
     ran += 1
   assert ran, f'{guide} documents no command that runs'
 

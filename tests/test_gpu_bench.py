@@ -16,22 +16,22 @@ from plan.target import Target
 from precision.policy import get_policy
 from sweep.metrics import METRICS, PointFiles
 from tests.helpers import tiny_config
+from tests.test_docs import run_documented
 from train.checks import model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASE = '1b_bf16_mixed'   # one case keeps the test short; the claim is a QLoRA run
+CASE = '1b_bf16_mixed'   # the one case docs/gpu.md's command runs; the claim is a QLoRA run
 
 
-def _suite(workdir, out_dir):
-  return subprocess.run([sys.executable, '-m', 'bench.gpu', '--smoke', f'--only=^{CASE}$',
-                         f'--workdir={workdir}', f'--out_dir={out_dir}'], cwd=ROOT,
-                        capture_output=True, text=True, timeout=900)
+def _suite(directory) -> str:
+  """docs/gpu.md's command in `directory` (the smoke suite's case CASE and the claim; workdir
+  runs/gpu-cpu-smoke, results in results/): run once for the guide and this test."""
+  return run_documented('docs/gpu.md', 'python -m bench.gpu', directory)
 
 
 def test_the_smoke_suite_measures_plans_and_runs_the_claim_then_resumes(tmp_path):
-  done = _suite(tmp_path / 'w', tmp_path / 'out')
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  with open(tmp_path / 'out' / 'gpu-cpu-smoke.json') as f:
+  _suite(tmp_path)
+  with open(tmp_path / 'results' / 'gpu-cpu-smoke.json') as f:
     results = json.load(f)
   assert results['device']['platform'] == 'cpu' and results['smoke']
   cases = {row['case']: row for row in results['cases']}
@@ -52,17 +52,16 @@ def test_the_smoke_suite_measures_plans_and_runs_the_claim_then_resumes(tmp_path
   bench = claim['bench']   # the planned QLoRA config, run: only its adapters train
   assert bench['steps'] == 2 and bench['lora_rank'] > 0 and not bench['base_trains']
   assert 0 < bench['trainable_params'] < bench['num_params'] / 10
-  with open(tmp_path / 'out' / 'gpu-cpu-smoke.md') as f:
+  with open(tmp_path / 'results' / 'gpu-cpu-smoke.md') as f:
     text = f.read()
   for heading in ('## Goals', '## Cases', '## The cost model against the measurements',
                   '## The claim'):
     assert heading in text
   # The same command again: nothing runs twice (every case and the claim keep their one attempt).
-  again = _suite(tmp_path / 'w', tmp_path / 'out')
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert '0 to run' in again.stdout
-  for log in (tmp_path / 'w' / 'cases' / 'runs' / f'case={CASE}' / 'log.txt',
-              tmp_path / 'w' / 'claim' / 'log.txt'):
+  again = _suite(tmp_path)
+  assert '0 to run' in again
+  workdir = tmp_path / 'runs' / 'gpu-cpu-smoke'
+  for log in (workdir / 'cases' / 'runs' / f'case={CASE}' / 'log.txt', workdir / 'claim' / 'log.txt'):
     attempts = log.read_text().count('\n=== ')
     assert attempts == (1 if 'cases' in str(log) else 2), log   # the claim: its plan and its run
 
