@@ -190,6 +190,7 @@ def run_documented(guide: str, command: str, directory, *extra: str) -> str:
   block = next((b for b in blocks(guide) if b['kind'] == 'sh' and command in commands(b['body'])),
                None)
   assert block is not None, f'{guide} has no block with the command {command!r}'
+  assert _run_by(block['directive']), f'{guide}:{block["line"]}: say run-by= the test that runs it'
   return _run_block(guide, block, directory, block['directive'] + list(extra))
 
 
