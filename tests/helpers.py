@@ -11,12 +11,13 @@ from precision.policy import get_policy
 from train.state import build_model
 
 
-# Compiling is half of the suite's CPU time (JAX's compile events, summed over its processes), and
-# two XLA:CPU switches make a small program's compile about three times quicker:
+# Compiling is half of the suite's time (JAX's compile events, summed over its processes), and
+# two XLA:CPU switches make a small program's compile quicker:
 # - level 0: LLVM's optimisation of the machine code, most of a compile, saves little when it runs
 #   (tests/test_train_step.py took 34.5 s instead of 57.0 s, `-n 2`, 2-core AVX2 machine);
 # - where the jaxlib still has them (0.10; XLA removed them in 0.11), the elemental emitters
-#   instead of the MLIR fusion emitters (the tiny fsdp step: 1.41 -> 0.56 s).
+#   instead of the MLIR fusion emitters (the tiny fsdp step at level 0: 1.41 -> 0.56 s; the
+#   same file: 24.4 s).
 # The HLO, its fusion and its buffers are XLA's own either way (the buffers of a step differ by a
 # few hundred bytes of temporaries; figures compared byte for byte are compiled with a user's
 # flags, tests/test_figures.py); only the machine code is less tuned, so every tolerance (from the

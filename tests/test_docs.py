@@ -191,7 +191,15 @@ def run_documented(guide: str, command: str, directory, *extra: str) -> str:
                None)
   assert block is not None, f'{guide} has no block with the command {command!r}'
   assert _run_by(block['directive']), f'{guide}:{block["line"]}: say run-by= the test that runs it'
+  missing = _missing(block['directive'])
+  if missing:
+    pytest.skip(f'{guide}:{block["line"]} needs {", ".join(missing)}')
   return _run_block(guide, block, directory, block['directive'] + list(extra))
+
+
+def _missing(directive: list[str]) -> list[str]:
+  """The modules a block `needs=` that do not import here."""
+  return [t[6:] for t in directive if t.startswith('needs=') and not _importable(t[6:])]
 
 
 def _run_by(directive: list[str]) -> str | None:
@@ -208,8 +216,7 @@ def test_every_documented_command_runs(guide, tmp_path):
     if directive[:1] == ['skip']:
       assert len(directive) > 1, f'{where}: a skipped block must say why'
       continue
-    missing = [t for t in directive if t.startswith('needs=') and not _importable(t[6:])]
-    if missing:   # torch and transformers are test requirements of the pinned stack only
+    if _missing(directive):   # torch and transformers are test requirements of the pinned stack only
       continue
     test_file = _run_by(directive)
     if test_file:   # that test runs the block (run_documented) and checks what it writes
