@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 47's measurements on one GPU in one call of at most 8 minutes, most wanted first; a
 # part that would start with under 30 s left is skipped and says so. Results (logs, JSON, and
-# summary.md) go to $OUT (the device tool's folder), or runs/issue47-gpu.
+# summary.md) go to $OUT (the device tool's folder), or runs/issue47-gpu; at the end the parts'
+# files are packed into $OUT/parts.tgz, since the device tool brings back only a few files.
 #
 #   bash bench/gpu_issue47.sh [BUDGET_S]     # default 420 s of measuring
 #   bash bench/gpu_issue47.sh 60 --smoke     # the plumbing on a CPU: tiny shapes, 2 steps
@@ -77,8 +78,8 @@ part versus 200 python3 -m bench.versus --shape=$SHAPE --precision=bf16_mixed \
 part profile 80 python3 -m bench.profile --config=$PRESET $ONE --config.precision=bf16_mixed \
   --config.model.remat=none --steps=2 --warmup=2 --noloop --out="$OUT/profile.json"
 step bf16_dots 60 --config.precision=bf16_mixed --config.model.remat=dots
-step fp8_dots 100 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
-step fp8_delayed_dots 70 --config.precision=bf16_mixed --config.model.remat=dots \
+step fp8_dots 160 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
+step fp8_delayed_dots 90 --config.precision=bf16_mixed --config.model.remat=dots \
   --config.quant.mode=fp8 --config.quant.fp8_scaling=delayed
 step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
 step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
@@ -107,4 +108,6 @@ print('| goal | measured | ratio |\n|---|---|---:|')
 for goal, a, b in rows:
   print(f'| {goal} | {pair(a, b)} | {ratio(a, b)} |')
 EOF
+# The device tool brings back a handful of files: the summary, the device and one archive.
+(cd "$OUT" && tar czf parts.tgz --remove-files ./*.json ./*.log)
 echo "done in $((SECONDS - START)) s"
