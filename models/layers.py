@@ -17,6 +17,7 @@ from models.config import ModelConfig
 from models.context import context_attention, sequence_shards
 from models.dense import AdapterCall, Dense, logical_param
 from models.hints import constrain
+from models.rmsnorm import normalize, rms_norm
 from models.swiglu import swiglu
 from precision.policy import Policy
 
@@ -31,9 +32,12 @@ class RMSNorm(nnx.Module):
 
   @jax.named_scope('norm')
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * self.scale[...].astype(jnp.float32)).astype(self.policy.compute_dtype)
+    scale, dtype = self.scale[...], self.policy.compute_dtype
+    # Off the CPU the backward keeps only the input and a number per row (models/rmsnorm.py);
+    # XLA:CPU keeps autodiff's program, which every CPU figure was calibrated on.
+    if compile_platform() != 'cpu':
+      return rms_norm(x, scale, self.eps, dtype)
+    return normalize(x, scale, self.eps, dtype)[0]
 
 
 class LayerNorm(nnx.Module):

@@ -90,7 +90,9 @@ def test_zero_stages_shard_the_state_in_order():
 
 def test_only_16_bit_compute_pays_for_the_cpu_fp32_copies():
   """In fp32 the CPU and GPU estimates differ only where the GPU's program does: its SwiGLU keeps
-  three of the six [mlp_dim] values autodiff's keeps per token per layer (models/swiglu.py)."""
+  three of the six [mlp_dim] values autodiff's keeps per token per layer (models/swiglu.py), and
+  its two RMSNorms their inputs and a number per row, not two [d_model] values more each
+  (models/rmsnorm.py)."""
   shape = StepShape(rows_per_device=2, seq_len=64)
   gpu = dataclasses.replace(shape, backend='gpu')
   fp32 = get_policy('fp32')
@@ -98,6 +100,9 @@ def test_only_16_bit_compute_pays_for_the_cpu_fp32_copies():
   per_layer = {platform: saved_per_token_per_layer(CFG, fp32, 64, backend=platform)
                for platform in ('cpu', 'gpu')}
   assert per_layer['cpu'].pop('mlp') - per_layer['gpu'].pop('mlp') == 3 * CFG.mlp_dim * 4
+  assert CFG.norm == 'rms'
+  assert (per_layer['cpu'].pop('residual_and_norms') - per_layer['gpu'].pop('residual_and_norms')
+          == 2 * CFG.d_model * 4 - 2 * 4)
   assert per_layer['cpu'] == per_layer['gpu']
   assert on_cpu['activations'] > on_gpu['activations']
   assert {k: v for k, v in on_cpu.items() if k not in ('activations', 'total')} == {
