@@ -76,10 +76,12 @@ part versus 200 python3 -m bench.versus --shape=$SHAPE --precision=bf16_mixed \
   --programs=torch_compile,ours_step --ours=model.remat=none --steps=$STEPS --warmup=$WARMUP \
   --rounds=2 --out="$OUT/versus.json"
 # The profile's step also leaves XLA's optimized program (the GPU's own, autotuned: what a compile
-# without the device cannot show, such as which products XLA merged) in $OUT/hlo.
+# without the device cannot show, such as which products XLA merged) in $OUT/hlo; compiled anew
+# (the compile cache's key leaves the dump flags out, and a program it loads is not dumped).
 part profile 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=train_step" python3 -m bench.profile --config=$PRESET $ONE --config.precision=bf16_mixed \
-  --config.model.remat=none --steps=2 --warmup=2 --noloop --out="$OUT/profile.json"
+  --config.model.remat=none --config.compile_cache= --steps=2 --warmup=2 --noloop \
+  --out="$OUT/profile.json"
 step bf16_dots 60 --config.precision=bf16_mixed --config.model.remat=dots
 step fp8_dots 160 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
 step fp8_delayed_dots 90 --config.precision=bf16_mixed --config.model.remat=dots \
@@ -115,5 +117,6 @@ EOF
 find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' ! -name '*thunk_sequence.txt' \
   -delete 2> /dev/null
 find "$OUT/hlo" -type d -empty -delete 2> /dev/null
-(cd "$OUT" && tar czf parts.tgz --remove-files ./*.json ./*.log $(ls -d hlo 2> /dev/null))
+(cd "$OUT" && shopt -s nullglob && tar czf parts.tgz --remove-files ./*.json ./*.log \
+  $(ls -d hlo 2> /dev/null))
 echo "done in $((SECONDS - START)) s"

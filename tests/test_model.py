@@ -193,18 +193,21 @@ def test_the_gpus_cross_entropy_is_optaxs_within_fp32_summation():
   assert np.abs(np.asarray(masked[1] - wrong)).max() > 0.5
 
 
-def test_rms_norm_keeps_its_input_and_a_number_per_row_and_differentiates_within_rounding(capsys):
+@pytest.mark.parametrize('scale_dtype', [jnp.float32, jnp.bfloat16])
+def test_rms_norm_keeps_its_input_and_a_number_per_row_and_differentiates_within_rounding(
+    capsys, scale_dtype):
   """models/rmsnorm.py: the forward is the plain norm's bit for bit; the backward keeps the input
   as it came and one fp32 number per row (autodiff's keeps fp32 [rows, d] values as well), and its
-  gradients, formed in fp32, are within their rounding to bf16 (u = 2**-8; the scale's stays fp32)
-  and fp32's (the row means and the sum over rows: about d + rows operations of 2**-24) of a
-  float64 reference."""
+  gradients, formed in fp32, are within their rounding to bf16 (u = 2**-8; an fp32 scale's
+  gradient is not rounded) and fp32's of a float64 reference: the row's mean square (d
+  operations of 2**-24) enters the gradient three times through r, the sums over the row and over
+  the rows add d + rows more."""
   from jax.ad_checkpoint import print_saved_residuals
   from models.rmsnorm import normalize, rms_norm
   rows, d, eps = 6, 64, 1e-5
   keys = jax.random.split(jax.random.key(1), 3)
   x, g = (jax.random.normal(k, (rows, d), jnp.float32).astype(jnp.bfloat16) * 3 for k in keys[:2])
-  scale = 1 + 0.5 * jax.random.normal(keys[2], (d,), jnp.float32)
+  scale = (1 + 0.5 * jax.random.normal(keys[2], (d,), jnp.float32)).astype(scale_dtype)
   custom = lambda x, scale: rms_norm(x, scale, eps, jnp.bfloat16)
   plain = lambda x, scale: normalize(x, scale, eps, jnp.bfloat16)[0]
   np.testing.assert_array_equal(custom(x, scale), plain(x, scale))
@@ -214,21 +217,22 @@ def test_rms_norm_keeps_its_input_and_a_number_per_row_and_differentiates_within
   assert len(saved(custom)) == 3 and sum('argument' in line for line in saved(custom)) == 2
   assert any(f'f32[{rows},1]' in line for line in saved(custom))
   assert any(f'f32[{rows},{d}]' in line for line in saved(plain))
-  d_x, d_scale = jax.vjp(custom, x, scale)[1](g)
-  assert d_x.dtype == jnp.bfloat16 and d_scale.dtype == jnp.float32
   x64, g64, s64 = (np.asarray(a, np.float64) for a in (x, g, scale))
   r = 1 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)
   n, gs = x64 * r, g64 * s64
   exact_x = r * (gs - n * (gs * n).mean(-1, keepdims=True))
   magnitude_x = r * (np.abs(gs) + np.abs(n) * np.abs(gs * n).mean(-1, keepdims=True))
-  bound_x = 2.0**-8 * np.abs(exact_x) + (d + 10) * 2.0**-24 * magnitude_x * (1 + 2.0**-8)
-  assert np.all(np.abs(np.asarray(d_x, np.float64) - exact_x) <= bound_x)
+  bound_x = 2.0**-8 * np.abs(exact_x) + (3 * d + 10) * 2.0**-24 * magnitude_x * (1 + 2.0**-8)
   exact_scale, magnitude_scale = (g64 * n).sum(0), np.abs(g64 * n).sum(0)
-  assert np.all(np.abs(np.asarray(d_scale, np.float64) - exact_scale)
-                <= (rows + d + 10) * 2.0**-24 * magnitude_scale)
-  # The plain norm's gradients are the same function: the two agree within the same bounds.
-  plain_x, plain_scale = jax.vjp(plain, x, scale)[1](g)
-  assert np.all(np.abs(np.asarray(plain_x, np.float64) - exact_x) <= bound_x)
+  rounding = 2.0**-8 if scale_dtype == jnp.bfloat16 else 0.0
+  bound_scale = (rounding * np.abs(exact_scale)
+                 + (rows + d + 10) * 2.0**-24 * magnitude_scale * (1 + rounding))
+  # The plain norm's gradients are the same function: both within the same bounds.
+  for norm in (custom, plain):
+    d_x, d_scale = jax.vjp(norm, x, scale)[1](g)
+    assert d_x.dtype == jnp.bfloat16 and d_scale.dtype == scale_dtype
+    assert np.all(np.abs(np.asarray(d_x, np.float64) - exact_x) <= bound_x)
+    assert np.all(np.abs(np.asarray(d_scale, np.float64) - exact_scale) <= bound_scale)
 
 
 def test_swiglu_keeps_only_its_inputs_and_differentiates_within_bf16s_rounding(capsys):
