@@ -33,8 +33,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   scatter into the fp32 gradient of the logits, which must then exist whole before its cast to the
   compute dtype, where the mask's is elementwise and fuses with the softmax's and the cast (1b
   ZeRO-3 on 8 H100s, bench.buffers --target: one fp32 [tokens, vocabulary] buffer fewer at the
-  head's backward). XLA:CPU keeps optax's gather, the program its figures are calibrated on."""
-  if compile_platform() == 'cpu':
+  head's backward). XLA:CPU keeps optax's gather, the program its figures are calibrated on,
+  except inside a shard_map with manual axes (a zero-bubble pipeline's stages): XLA's partitioner
+  aborts on that gather from logits split over `tensor` there (jax 0.10.2 to 0.12.0.1)."""
+  if compile_platform() == 'cpu' and not jax.sharding.get_abstract_mesh().manual_axes:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
   picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)

@@ -22,6 +22,7 @@ circular schedule needs chunk c on stage c mod stages, so it re-lays the stacked
 per step (an all-to-all of each stage's weights, and of their gradients in the backward).
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +30,19 @@ import numpy as np
 from flax import linen
 from jax.sharding import PartitionSpec
 
+from parallel.zero_bubble import ZeroBubbleTables, zb_h1
+
 STAGE_AXIS = 'stage'
-SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b')
-# The schedules that run the backward pass inside the pipeline's loop (parallel/pipeline_1f1b.py):
-# a microbatch's backward starts as soon as its forward has left the last stage.
-BACKWARD_IN_LOOP = ('1f1b', 'interleaved_1f1b')
+SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b', 'zb_h1')
+# The schedules that run the backward pass inside the pipeline's loop (parallel/pipeline_1f1b.py,
+# parallel/pipeline_zb.py): a microbatch's backward starts as soon as its forward has left the
+# last stage.
+BACKWARD_IN_LOOP = ('1f1b', 'interleaved_1f1b', 'zb_h1')
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-  name: str           # gpipe | circular | 1f1b | interleaved_1f1b
+  name: str           # gpipe | circular | 1f1b | interleaved_1f1b | zb_h1
   stages: int         # P: the `stage` mesh axis
   microbatches: int   # M: per step (per gradient-accumulation microbatch)
   repeats: int = 1    # R: chunks per stage (1 for gpipe and 1f1b)
@@ -46,6 +50,11 @@ class PipelineSchedule:
   @property
   def backward_in_loop(self) -> bool:
     return self.name in BACKWARD_IN_LOOP
+
+  @functools.cached_property
+  def zero_bubble(self) -> ZeroBubbleTables | None:
+    """zb_h1: its tick tables (parallel/zero_bubble.py); None for the other schedules."""
+    return zb_h1(self.stages, self.microbatches) if self.name == 'zb_h1' else None
 
   @property
   def forward_schedule(self) -> 'PipelineSchedule':
@@ -63,7 +72,10 @@ class PipelineSchedule:
   @property
   def iterations(self) -> int:
     """Iterations of the compiled loop: forward ones (gpipe, circular), or ticks that each run a
-    forward and a backward slot (1f1b: parallel/pipeline_1f1b.py)."""
+    forward and a backward slot (1f1b: parallel/pipeline_1f1b.py), or one action per stage
+    (zb_h1)."""
+    if self.zero_bubble:
+      return self.zero_bubble.ticks
     if self.backward_in_loop:
       return self.repeats * self.stages + self.items + self.stages - 2
     return self.items + self.stages - 1
@@ -71,7 +83,10 @@ class PipelineSchedule:
   @property
   def in_flight(self) -> int:
     """1f1b: the stage inputs a stage keeps for its backward at most (the first stage's, from an
-    item's forward to its backward), whatever the count of microbatches."""
+    item's forward to its backward), whatever the count of microbatches; zb_h1: the microbatches
+    whose residuals a stage keeps at most (its slots)."""
+    if self.zero_bubble:
+      return self.zero_bubble.slots
     return min(2 * self.repeats * self.stages - 1, self.items)
 
   def ticks(self) -> dict[str, np.ndarray]:
@@ -136,6 +151,8 @@ class PipelineSchedule:
     the backward ones from the first backward on)."""
     if not self.backward_in_loop:
       return float((self.table() < 0).mean())
+    if self.zero_bubble:
+      return self.zero_bubble.bubble_fraction
     ticks, (first_backward, after_forwards) = self.ticks(), self.phases
     slots = np.concatenate([ticks['f_valid'][:after_forwards], ticks['b_valid'][first_backward:]])
     return float(1 - slots.mean())
@@ -197,10 +214,10 @@ class PipelineSchedule:
     P, M, R = self.stages, self.microbatches, self.repeats
     if self.name not in SCHEDULES:
       return f'parallel.pipeline_schedule={self.name!r}; allowed: {", ".join(SCHEDULES)}'
-    if (not isinstance(R, int) or R < 1 or (self.name in ('gpipe', '1f1b') and R != 1)
+    if (not isinstance(R, int) or R < 1 or (self.name in ('gpipe', '1f1b', 'zb_h1') and R != 1)
         or (self.name == 'interleaved_1f1b' and R < 2)):
       return (f'parallel.pipeline_repeats={R!r} with parallel.pipeline_schedule={self.name!r}; '
-              f'gpipe and 1f1b hold one chunk per stage (repeats=1), circular takes an integer '
+              f'gpipe, 1f1b and zb_h1 hold one chunk per stage (repeats=1), circular takes an integer '
               f'>= 1, interleaved_1f1b one >= 2')
     if not isinstance(M, int) or M < P:
       return (f'parallel.pipeline_microbatches={M!r} with mesh.stage={P}; at least {P} (one per '

@@ -63,6 +63,10 @@ class OneFOneB:
   def seeded(self, seed: jax.Array) -> 'OneFOneB':
     return dataclasses.replace(self, seed=seed)
 
+  def _loop(self):
+    """The loop that computes the loss sum and the gradients (see `_run`)."""
+    return _run
+
   def loss_sum(self, layer, layers, keys, rows, *, embed, tail, targets, axes) -> jax.Array:
     """The sum of the batch's token losses. The blocks as a Stack gets them (`layer`, the stacked
     `layers`, dropout `keys`, per-row inputs `rows`); `embed` = (embed(weights, rows) -> one
@@ -72,8 +76,9 @@ class OneFOneB:
     logical axes (PartitionSpecs of names) of the layers', embedding's and tail's weights."""
     seed = jnp.float32(1) if self.seed is None else self.seed
     (embed_fn, embed_weights, embed_rows), (tail_fn, tail_weights) = embed, tail
-    run = functools.partial(_run, self.schedule, self._placements(axes), self.rolled_backward,
-                            layer, keys, rows, embed_fn, embed_rows, tail_fn, targets, seed)
+    run = functools.partial(self._loop(), self.schedule, self._placements(axes),
+                            self.rolled_backward, layer, keys, rows, embed_fn, embed_rows, tail_fn,
+                            targets, seed)
 
     @jax.custom_vjp
     def pipeline(layers, embed_weights, tail_weights):
@@ -100,19 +105,27 @@ class OneFOneB:
     are hoisted out of the loop anyway, in a layout that takes more: 100m, 0.73 against 0.41 GiB
     of temp); its gradient is split as the layout's gradients are (ZeRO-2/3: summed into the
     shard at every tick, a reduce-scatter)."""
-    def placed(tree, table, stacked):
-      def place(logical):
-        spec = logical_to_mesh_axes(logical, table)
-        spec = PartitionSpec(None, None, *spec[1:]) if stacked else spec
-        return lambda a: jax.lax.with_sharding_constraint(a, spec)
-      return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    keep = lambda tree: jax.tree.map(lambda _: lambda a: a, tree,
-                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
     if self.rules is None:
-      return keep(axes[0]), tuple(keep(a) for a in axes)
-    gradients = (placed(axes[0], self.rules.grads, True), placed(axes[1], self.rules.grads, False),
-                 placed(axes[2], self.rules.grads, False))
-    return placed(axes[0], REPLICATED, True), gradients
+      return _kept(axes[0]), tuple(_kept(a) for a in axes)
+    gradients = (_placed(axes[0], self.rules.grads, True),
+                 _placed(axes[1], self.rules.grads, False),
+                 _placed(axes[2], self.rules.grads, False))
+    return _placed(axes[0], REPLICATED, True), gradients
+
+
+def _placed(tree, table, stacked: bool):
+  """A placement per leaf of `tree` (logical axes, as PartitionSpecs), by the rules `table`;
+  `stacked`: of one stage's [R, chunk, ...] stack of the layers' weights."""
+  def place(logical):
+    spec = logical_to_mesh_axes(logical, table)
+    spec = PartitionSpec(None, None, *spec[1:]) if stacked else spec
+    return lambda a: jax.lax.with_sharding_constraint(a, spec)
+  return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _kept(tree):
+  """A placement per leaf of `tree` that leaves it where XLA puts it."""
+  return jax.tree.map(lambda _: lambda a: a, tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 class _Trained:

@@ -163,6 +163,12 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
                                    'parallel.zero_stage': 1, 'train.microbatches': 2,
                                    'parallel.pipeline_schedule': 'interleaved_1f1b',
                                    'parallel.pipeline_repeats': 2},
+    # Zero bubble: real branches per stage (a shard_map over `stage`), the pullbacks' residuals
+    # kept from F to W; under remat the residuals are the layers' inputs.
+    'zb_h1-fsdp-M8': {'parallel.pipeline_schedule': 'zb_h1', 'parallel.pipeline_microbatches': 8},
+    'zb_h1-tensor-data-M4-remat': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2),
+                                   'parallel.zero_stage': 0, 'parallel.pipeline_schedule': 'zb_h1',
+                                   'model.remat': 'full'},
 }
 BATCH = 16
 
@@ -187,7 +193,7 @@ def test_losses_and_parameters_equal_the_single_device_run(name, reference):
   assert diff.max() <= 0.1 * lr
 
 
-@pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b'])
+@pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b', 'zb_h1'])
 def test_lora_on_packed_rows_through_1f1b_equals_one_device(schedule):
   """The frozen base gets no gradient (the pipeline differentiates only what autodiff asks
   for), the adapters' match one device's, and packed documents stay apart across microbatches."""
@@ -197,7 +203,7 @@ def test_lora_on_packed_rows_through_1f1b_equals_one_device(schedule):
                            'parallel.zero_stage': 0}), devices=jax.devices()[:1], packed=True)
   losses, params, s = train(config(8, **lora, **{
       'parallel.pipeline_schedule': schedule, 'parallel.pipeline_microbatches': 4,
-      'parallel.pipeline_repeats': 1 if schedule == '1f1b' else 2}), packed=True)
+      'parallel.pipeline_repeats': 2 if schedule == 'interleaved_1f1b' else 1}), packed=True)
   np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(8 * s.config.train.seq_len))
   lr = s.config.train.learning_rate
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):

@@ -76,10 +76,14 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
     raise checks.ConfigError(str(e)) from None
   # Per-device accumulation (train/step.py) where gradients are replicated over more than one
   # data-parallel device (with one there is nothing to reduce) and summed over several
-  # microbatches: the accumulation's, or the pipeline's.
+  # microbatches: the accumulation's, or the pipeline's. Not around a zero-bubble pipeline: its
+  # shard_map over `stage` cannot run inside that vmap over the data-parallel devices (jax 0.10.2
+  # lowers it with the wrong local shapes), so there XLA reduces the gradients where it places them.
   repeated = config.train.microbatches > 1 or schedule is not None
+  vmappable = schedule is None or not schedule.zero_bubble
   per_device = (PerDevice(mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
-                if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated else None)
+                if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated
+                and vmappable else None)
   dropout = spec.adapters is not None and spec.adapters.dropout > 0
   offloaded_optimizer = None
   if offload:

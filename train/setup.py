@@ -12,6 +12,7 @@ from models.attention import compiling_for
 from models.config import ModelConfig
 from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.pipeline_1f1b import OneFOneB
+from parallel.pipeline_zb import ZeroBubble
 from parallel.rules import LayoutRules
 from precision.policy import Policy
 from train.state import ModelSpec, StateLayout
@@ -59,6 +60,8 @@ def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
   circular); None (one stage): one after another."""
   if schedule is None:
     return None
+  if schedule.zero_bubble:
+    return ZeroBubble(schedule, rules)
   if schedule.backward_in_loop:
     return OneFOneB(schedule, rules, rolled_backward=config.model.remat != 'none')
   return pipelined(schedule)

@@ -1,0 +1,306 @@
+"""Zero-bubble pipelines (`parallel.pipeline_schedule=zb_h1`): 1F1B's loop with each microbatch's
+backward pass on a stage split into B (its input's gradient, which the stage before waits for) and
+W (its weights', which nothing waits for), W put off into the ticks where the stage would wait
+(parallel/zero_bubble.py's tables).
+
+One compiled program, as the other schedules': a `shard_map` manual over `stage` only (`data`,
+`fsdp` and `tensor` stay the partitioner's, inside a stage as without a pipeline) and a scan over
+the table's ticks. In each tick each stage takes its own action, as real branches (`lax.cond` on
+its row of the table; the other schedules' vmap over stages would compute every branch), then
+every F's output moves one stage on and every B's one stage back (a ppermute each way).
+
+F runs its chunk under `jax.vjp` and keeps, in its microbatch's slot, the pullback's residuals
+that depend on the microbatch (its input, rows and dropout keys; what they are is the model's
+remat policy's: a layer's input under `full`). The residuals that depend on the weights alone (the
+weights, their casts) are made once per step, before the loop, not per slot. B calls the pullback
+for the input's gradient, W for the weights', and XLA drops the half each does not use: nothing is
+recomputed, so F, B and W each cost about a forward pass, as the tables count them. The first
+stage's F embeds its microbatch; the last stage's F runs the final norm, head and loss, and keeps
+the loss's gradient in the slot for its B. Gradients are summed as 1F1B sums them (its custom_vjp,
+`OneFOneB.loss_sum`, hands them to autodiff).
+"""
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen
+from jax.extend import core as jax_core
+from jax.sharding import PartitionSpec
+
+from parallel.pipeline import STAGE_AXIS, by_stage, from_stages, on_stages, scan_chunk, split_rows
+from parallel.pipeline_1f1b import OneFOneB, _added, _in_stages, _kept, _placed, _take, _Trained
+from parallel.rules import REPLICATED
+from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, zb_h1
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubble(OneFOneB):
+  """OneFOneB's interface (evaluation through GPipe's forward, `loss_sum` for the train step),
+  with ZB-H1's loop."""
+
+  def _loop(self):
+    return _run
+
+  def _placements(self, axes):
+    """OneFOneB's, and where the embedding's and tail's weights go before the loop: whole over
+    `fsdp` (ZeRO-3 gathers them once per step, as it does the stage's layers; used inside the
+    loop's branches, they would be gathered at every tick)."""
+    layers, gradients = super()._placements(axes)
+    if self.rules is None:
+      return layers, gradients, _kept(axes[1]), _kept(axes[2])
+    return layers, gradients, _placed(axes[1], REPLICATED, False), _placed(axes[2], REPLICATED, False)
+
+
+def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_rows, tail,
+         targets, seed, weights, wanted):
+  """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
+  False); `wanted` None: the loss alone. Arguments as parallel/pipeline_1f1b.py's `_run`'s;
+  `rolled_backward` does not apply (nothing is recomputed)."""
+  del rolled_backward
+  P, M = schedule.stages, schedule.microbatches
+  if wanted is None:
+    wanted = jax.tree.map(lambda _: False, weights)
+  place = lambda tree, places: jax.tree.map(lambda a, p: p(a), tree, places)
+  weights = (weights[0], place(weights[1], placements[2]), place(weights[2], placements[3]))
+  layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
+  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
+  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
+  # [stages, 1, chunk, ...]: stage p's chunk, placed once per step (ZeRO-3: gathered once).
+  stage_leaves = [_in_stages(place)(on_stages(by_stage(a, P, 1, chunk)))
+                  for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))]
+  stage_keys = None if keys is None else by_stage(keys, P, 1, chunk)
+  place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
+  tables = zb_h1(P, M)
+  loop = _Stage(tables, layer, layers, embed_weights, tail_weights, embed, tail, place_grads)
+
+  stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
+  run = jax.shard_map(
+      loop.run, axis_names={STAGE_AXIS}, check_vma=False,
+      in_specs=(stage, stage if keys is not None else whole, whole, whole, whole, whole, whole,
+                whole),
+      out_specs=(stage, stage, stage, stage))
+  loss, grads, embed_grads, tail_grads = run(
+      stage_leaves, stage_keys, embed_weights.trained(), tail_weights.trained(), split(rows),
+      split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
+  stage_sum = lambda grads: [g.sum(0) for g in grads]
+  return loss.sum(), (layers.gradients([from_stages(g) for g in grads]),
+                      embed_weights.gradients(stage_sum(embed_grads)),
+                      tail_weights.gradients(stage_sum(tail_grads)))
+
+
+@dataclasses.dataclass
+class _Stage:
+  """One stage's loop (the body of the shard_map over `stage`): its chunk's actions, tick by
+  tick, as the tables say."""
+  tables: Any
+  layer: Any
+  layers: _Trained
+  embed_weights: _Trained
+  tail_weights: _Trained
+  embed: Any           # embed(weights, rows) -> one microbatch's first block input
+  tail: Any            # tail(weights, hidden, targets, microbatch) -> its loss sum
+  place_grads: list    # per (layers, embedding, tail): a placement per trained leaf
+
+  def run(self, stage_leaves, stage_keys, embed_trained, tail_trained, micro_rows,
+          micro_embed_rows, micro_targets, seed):
+    """(loss, gradients of the chunk's, embedding's and tail's trained weights), each with a
+    leading axis of 1: this stage's share, stacked over `stage` by the shard_map."""
+    me = jax.lax.axis_index(STAGE_AXIS)
+    first, last = me == 0, me == self.tables.stages - 1
+    leaves = [a[0] for a in stage_leaves]   # [1, chunk, ...]: the stage's one chunk
+    keys = None if stage_keys is None else stage_keys[0, 0]
+    trained = self.layers.trained([a[0] for a in leaves])
+
+    def chunk_inputs(m):
+      chunk_keys = None
+      if keys is not None:   # a dropout mask per layer and microbatch
+        chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, m))(keys)
+      return _take(micro_rows, m), chunk_keys
+
+    def pullback(trained, x, rows_now, chunk_keys):
+      def apply(trained, x):
+        weights = self.layers.with_trained(trained, [a[0] for a in leaves])
+        return scan_chunk(self.layer, weights, x, chunk_keys, rows_now, unroll=True)
+      return jax.vjp(apply, trained, x)
+
+    activation = jax.eval_shape(lambda: self.embed(self.embed_weights.with_trained(embed_trained),
+                                                   _take(micro_embed_rows, 0)))
+    x0 = stream(jnp.zeros(activation.shape, activation.dtype))
+    residuals = Residuals.of(pullback, trained, x0, *chunk_inputs(0))
+    slots = self.tables.slots
+    place_layers, place_embed, place_tail = self.place_grads
+
+    def embed_of(m):
+      return lambda w: self.embed(self.embed_weights.with_trained(w), _take(micro_embed_rows, m))
+
+    # Each action is a branch from the carry's entries it changes to their new values; where the
+    # stage takes another action they pass through. (XLA wants a conditional's results placed
+    # alike in both branches: hence the placements of the gradients' sums and activations.)
+    def forward(c, m, held):
+      """F: the chunk on the microbatch's input (the first stage embeds it); its residuals kept;
+      on the last stage the loss, the tail's gradient, and the gradient its B starts from."""
+      slot = m % slots
+      x = jax.lax.cond(first, lambda: stream(embed_of(m)(embed_trained).astype(x0.dtype)),
+                       lambda: stream(held))
+      y, pull = pullback(trained, x, *chunk_inputs(m))
+      c['kept'] = [_put(k, leaf, slot) for k, leaf in zip(c['kept'], residuals.per_item(pull))]
+      c['forward_out'] = stream(y.astype(x0.dtype))
+
+      def head(loss, tail_grads, dy):
+        tail_of = lambda w, y: self.tail(self.tail_weights.with_trained(w), y,
+                                         micro_targets[m], m)
+        loss_now, tail_vjp = jax.vjp(tail_of, tail_trained, y)
+        d_tail, d_y = tail_vjp(seed)
+        return (loss + loss_now, _added(tail_grads, d_tail, True, place_tail),
+                _put(dy, d_y, slot))
+      c['loss'], c['tail_grads'], c['dy'] = jax.lax.cond(
+          last, head, lambda *a: a, c['loss'], c['tail_grads'], c['dy'])
+      return c
+
+    def input_grad(c, m, kept, dy):
+      """B: the gradient of the chunk's input (on the first stage, of the embedding's weights)."""
+      dx = residuals.pullback(kept)(dy)[1]
+      c['backward_out'] = stream(dx.astype(x0.dtype))
+      c['embed_grads'] = jax.lax.cond(
+          first, lambda g: _added(g, jax.vjp(embed_of(m), embed_trained)[1](
+              dx.astype(activation.dtype))[0], True, place_embed),
+          lambda g: g, c['embed_grads'])
+      return c
+
+    def weight_grad(c, kept, dy):
+      """W: the gradient of the chunk's weights, added to the stage's sums."""
+      d_weights = residuals.pullback(kept)(dy)[0]
+      c['grads'] = [place(g + d[None].astype(g.dtype))
+                    for g, d, place in zip(c['grads'], d_weights, place_layers)]
+      return c
+
+    def tick(carry, row):
+      t = jax.tree.map(lambda a: a[me], row)
+      slot = t['micro'] % slots
+      # What the neighbours sent at the tick before, into its microbatch's slot.
+      carry['inputs'] = _put(carry['inputs'], carry['forward_in'], t['forward_micro'] % slots,
+                             t['forward_arrives'])
+      carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
+                         t['backward_arrives'])
+      changes = lambda *keys: {k: carry[k] for k in keys}
+      carry.update(jax.lax.cond(
+          t['action'] == FORWARD, forward, lambda c, m, held: c,
+          changes('kept', 'forward_out', 'loss', 'tail_grads', 'dy'), t['micro'],
+          carry['inputs'][slot]))
+      kept, dy = [k[slot] for k in carry['kept']], carry['dy'][slot]
+      carry.update(jax.lax.cond(
+          t['action'] == BACKWARD_INPUT, input_grad, lambda c, m, kept, dy: c,
+          changes('backward_out', 'embed_grads'), t['micro'], kept, dy))
+      carry.update(jax.lax.cond(
+          t['action'] == BACKWARD_WEIGHTS, weight_grad, lambda c, kept, dy: c,
+          changes('grads'), kept, dy))
+      stages = self.tables.stages
+      # Every F's output one stage on, every B's one stage back (what no action made is sent
+      # too, and not read: the tables say what arrives).
+      carry['forward_in'] = jax.lax.ppermute(carry['forward_out'], STAGE_AXIS,
+                                             [(i, (i + 1) % stages) for i in range(stages)])
+      carry['backward_in'] = jax.lax.ppermute(carry['backward_out'], STAGE_AXIS,
+                                              [(i, (i - 1) % stages) for i in range(stages)])
+      return carry, None
+
+    carry = {
+        'forward_in': x0, 'backward_in': x0, 'forward_out': x0, 'backward_out': x0,
+        'inputs': jnp.zeros((slots,) + x0.shape, x0.dtype),
+        'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
+        'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in residuals.item_shapes],
+        'grads': [place(jnp.zeros((1,) + a.shape, a.dtype)) for a, place in zip(trained, place_layers)],
+        'embed_grads': [place(jnp.zeros(a.shape, a.dtype))
+                        for a, place in zip(embed_trained, place_embed)],
+        'tail_grads': [place(jnp.zeros(a.shape, a.dtype))
+                       for a, place in zip(tail_trained, place_tail)],
+        'loss': jnp.zeros((), jnp.float32),
+    }
+    table = {k: jnp.asarray(getattr(self.tables, k)) for k in (
+        'action', 'micro', 'forward_arrives', 'forward_micro', 'backward_arrives',
+        'backward_micro')}
+    carry = jax.lax.scan(tick, carry, table)[0]
+    one = lambda a: a[None]
+    return (one(carry['loss']), [g[None] for g in carry['grads']],
+            [one(g) for g in carry['embed_grads']], [one(g) for g in carry['tail_grads']])
+
+
+@dataclasses.dataclass
+class Residuals:
+  """A chunk's pullback split in two: the leaves that depend on a microbatch (kept per slot) and
+  those that depend on the weights alone (made once per step)."""
+  treedef: Any
+  step_leaves: list    # every leaf of a pullback made once per step; those per item unused
+  item: list           # indices of the leaves that depend on the microbatch
+  item_shapes: list
+
+  @classmethod
+  def of(cls, pullback, trained, x, rows, chunk_keys) -> 'Residuals':
+    leaves, treedef = jax.tree.flatten(pullback(trained, x, rows, chunk_keys)[1])
+    args = (trained, x, rows, chunk_keys)
+    flat_args, args_tree = jax.tree.flatten(args)
+    item_args = jax.tree.leaves((jax.tree.map(lambda _: False, trained),
+                                 jax.tree.map(lambda _: True, (x, rows, chunk_keys))))
+    jaxpr = jax.make_jaxpr(lambda *flat: jax.tree.leaves(
+        pullback(*jax.tree.unflatten(args_tree, flat))[1]))(*flat_args)
+    item = [i for i, on in enumerate(_depends(jaxpr.jaxpr, item_args)) if on]
+    return cls(treedef, leaves, item, [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+                                       for i in item])
+
+  def per_item(self, pull) -> list:
+    leaves = jax.tree.leaves(pull)
+    assert len(leaves) == len(self.step_leaves), 'a pullback of another form'
+    return [leaves[i] for i in self.item]
+
+  def no_item(self) -> list:
+    return [jnp.zeros(a.shape, a.dtype) for a in self.item_shapes]
+
+  def pullback(self, kept: list):
+    leaves = list(self.step_leaves)
+    for i, leaf in zip(self.item, kept):
+      leaves[i] = leaf
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _depends(jaxpr, marked: list[bool]) -> list[bool]:
+  """Which outputs of `jaxpr` depend on an input marked True (through scans, calls and remat:
+  the casts of a scan's weights are not marked by its carried activations)."""
+  on = {v for v, m in zip(jaxpr.invars, marked) if m}
+  is_on = lambda v: not isinstance(v, jax_core.Literal) and v in on
+  for eqn in jaxpr.eqns:
+    ins = [is_on(v) for v in eqn.invars]
+    if any(ins):
+      on.update(v for v, m in zip(eqn.outvars, _eqn_depends(eqn, ins)) if m)
+  return [is_on(v) for v in jaxpr.outvars]
+
+
+def _eqn_depends(eqn, ins: list[bool]) -> list[bool]:
+  if eqn.primitive.name == 'scan':
+    body = eqn.params['jaxpr'].jaxpr
+    consts, carries = eqn.params['num_consts'], eqn.params['num_carry']
+    carry = ins[consts:consts + carries]
+    while True:   # until what the carry depends on stops growing
+      out = _depends(body, ins[:consts] + carry + ins[consts + carries:])
+      grown = [a or b for a, b in zip(carry, out[:carries])]
+      if grown == carry:
+        return carry + out[carries:]
+      carry = grown
+  for value in eqn.params.values():
+    inner = getattr(value, 'jaxpr', value)   # a ClosedJaxpr's, or a Jaxpr
+    if (isinstance(inner, jax_core.Jaxpr) and len(inner.invars) == len(eqn.invars)
+        and len(inner.outvars) == len(eqn.outvars)):
+      return _depends(inner, ins)
+  return [True] * len(eqn.outvars)
+
+
+def _put(buffer, value, index, keep=True):
+  """`buffer` with `value` at `index` where `keep`, as it was elsewhere."""
+  value = value.astype(buffer.dtype)
+  if keep is not True:
+    value = jnp.where(keep, value, buffer[index])
+  return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
+
+
+def stream(x: jax.Array) -> jax.Array:
+  """The residual stream's placement (as models/layers.py gives a block's output)."""
+  return linen.with_logical_constraint(x, ('batch', 'length', 'embed'))
