@@ -77,7 +77,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
   config.parallel = dict(
       zero_stage=0,                       # 0 DDP, 1-3 ZeRO stages over fsdp x context
       pipeline_schedule='gpipe',          # with mesh.stage > 1: gpipe, circular (interleaved),
-                                          # 1f1b or interleaved_1f1b (docs/parallel.md: which to use)
+                                          # 1f1b, interleaved_1f1b or zb_h1 (zero bubble)
+                                          # (docs/parallel.md: which to use)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
       pipeline_repeats=1,                 # circular, interleaved_1f1b: layer chunks per stage
       offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed

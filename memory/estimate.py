@@ -758,6 +758,37 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
           'temporaries': vocab_sums + whole + loop_copies + layer['weights']}
 
 
+def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                     frozen: 'Frozen | None') -> dict[str, float]:
+  """The zb_h1 loop's peak (parallel/pipeline_zb.py), which replaces the backward phases: a stage
+  keeps, per microbatch from its F to its W, its chunk's residuals (what the model's remat keeps
+  of each layer: nothing is recomputed), in P + 1 slots, beside two slot buffers of stage inputs
+  and gradients and the four activations moving between stages; at its peak one layer's backward
+  working set, or the head and loss on the last stage. Beside them, as under 1f1b: the
+  embedding's and head's gradient sums, and under ZeRO-3 the stage's weights and the vocabulary
+  tables whole over `fsdp` (gathered once a step)."""
+  P, M = shape.stages, shape.pipeline_microbatches
+  micro = dataclasses.replace(shape, rows_per_device=shape.rows_per_device // M, stages=1,
+                              pipeline_microbatches=1, repeats=1)
+  slots = P + 1
+  row = micro.tokens * cfg.d_model * policy.compute_bytes
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
+                                    shape.backend)
+  item = micro.tokens * cfg.num_layers / P * sum(saved.values())
+  layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
+  tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
+  activations = slots * item + (2 * slots + 4) * row + max(layer['activations'], tail)
+  p = policy.param_bytes
+  stage_weights = cfg.num_layers / P * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
+  vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
+  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads')
+  whole = 0
+  if shape.gathers_params:
+    whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
+  return {'activations': activations, 'temporaries': vocab_sums + whole + layer['weights']}
+
+
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Circular under ZeRO-3: the chunk whose forward is recomputed has its weights gathered for
   that forward and holds them through its backward."""
@@ -1059,7 +1090,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   backward = max(head_phase, layer_phase, reduction_phase, convert_phase, weight_phase,
                  key=lambda phase: sum(phase.values()))
   if shape.backward_in_loop:
-    loop = one_f_one_b_loop(cfg, policy, shape, frozen)
+    loop = (zero_bubble_loop if shape.schedule == 'zb_h1' else one_f_one_b_loop)(
+        cfg, policy, shape, frozen)
     backward = {'activations': loop['activations'], 'temporaries': common + loop['temporaries']}
   # The update holds the gradients and the update's buffers; the activations are gone by then.
   # Where XLA:GPU gathers the new weights whole (ZeRO-1/2), the gradients are optimizer shards.
