@@ -279,10 +279,8 @@ def _eqn_depends(eqn, ins: list[bool]) -> list[bool]:
     body, params = eqn.params['jaxpr'].jaxpr, eqn.params
     if 'num_consts' in params:
       consts, carries = params['num_consts'], params['num_carry']
-    else:   # jax 0.11 on: `ft_in` holds (consts, carry, xs), a part None where it is empty
-      count = lambda part: 0 if part is None else len(part)
-      consts, xs = count(params['ft_in'][0]), count(params['ft_in'][2])
-      carries = len(eqn.invars) - consts - xs
+    else:   # jax 0.11 on: `ft_in`, a flat tree of (consts, carry, xs)
+      consts, carries, _ = (len(list(part.vals)) for part in params['ft_in'].elts)
     carry = ins[consts:consts + carries]
     while True:   # until what the carry depends on stops growing
       out = _depends(body, ins[:consts] + carry + ins[consts + carries:])

@@ -90,3 +90,35 @@ def test_a_table_prints_a_line_per_tick():
   lines = zb_h1(2, 2).text().split('\n')
   assert lines[0].split() == ['F0', '.'] and len(lines) == zb_h1(2, 2).ticks
   assert np.all(zb_h1(2, 2).slot < 3)
+
+
+def test_a_pullbacks_per_microbatch_residuals_hold_no_weights_and_rebuild_it():
+  """The leaves a zb_h1 stage keeps per microbatch (parallel/pipeline_zb.py:Residuals) are the
+  ones that depend on the microbatch: activations, not the weights or their bf16 casts (which
+  would be a copy of the stage's weights per slot); the pullback rebuilt from them and the
+  once-per-step leaves gives autodiff's gradients."""
+  import jax
+  import jax.numpy as jnp
+  from parallel.pipeline_zb import Residuals
+  layers, d, rows = 3, 24, 5
+  weights = [jax.random.normal(jax.random.PRNGKey(0), (layers, d, d)) / d ** 0.5]
+  x = jax.random.normal(jax.random.PRNGKey(1), (rows, d))
+
+  def pullback(trained, x, rows_now, keys):
+    def apply(trained, x):
+      def layer(x, w):
+        return jnp.tanh(x @ w.astype(jnp.bfloat16).astype(jnp.float32)) + x, None
+      return jax.lax.scan(layer, x, trained[0])[0]
+    return jax.vjp(apply, trained, x)
+
+  def check(weights, x):
+    residuals = Residuals.of(pullback, weights, x, None, None)
+    y, pull = pullback(weights, x, None, None)
+    kept = residuals.per_item(pull)
+    assert kept and all(k.size < layers * d * d for k in kept)   # [layers, rows, d] at most
+    dy = jnp.ones_like(y)
+    return residuals.pullback(kept)(dy), pull(dy)
+
+  rebuilt, direct = jax.jit(check)(weights, x)
+  for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(direct)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
