@@ -217,8 +217,8 @@ class PipelineSchedule:
     if (not isinstance(R, int) or R < 1 or (self.name in ('gpipe', '1f1b', 'zb_h1') and R != 1)
         or (self.name == 'interleaved_1f1b' and R < 2)):
       return (f'parallel.pipeline_repeats={R!r} with parallel.pipeline_schedule={self.name!r}; '
-              f'gpipe, 1f1b and zb_h1 hold one chunk per stage (repeats=1), circular takes an integer '
-              f'>= 1, interleaved_1f1b one >= 2')
+              f'gpipe, 1f1b and zb_h1 hold one chunk per stage (repeats=1), circular takes an '
+              f'integer >= 1, interleaved_1f1b one >= 2')
     if not isinstance(M, int) or M < P:
       return (f'parallel.pipeline_microbatches={M!r} with mesh.stage={P}; at least {P} (one per '
               f'stage) keeps every stage busy outside the bubble')

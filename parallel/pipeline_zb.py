@@ -29,7 +29,8 @@ from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
 from parallel.pipeline import STAGE_AXIS, by_stage, from_stages, on_stages, scan_chunk, split_rows
-from parallel.pipeline_1f1b import OneFOneB, _added, _in_stages, _kept, _placed, _take, _Trained
+from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _kept, _placed, _take,
+                                    _Trained)
 from parallel.rules import REPLICATED
 from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, zb_h1
 
@@ -49,7 +50,8 @@ class ZeroBubble(OneFOneB):
     layers, gradients = super()._placements(axes)
     if self.rules is None:
       return layers, gradients, _kept(axes[1]), _kept(axes[2])
-    return layers, gradients, _placed(axes[1], REPLICATED, False), _placed(axes[2], REPLICATED, False)
+    return (layers, gradients, _placed(axes[1], REPLICATED, False),
+            _placed(axes[2], REPLICATED, False))
 
 
 def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_rows, tail,
@@ -209,7 +211,8 @@ class _Stage:
         'inputs': jnp.zeros((slots,) + x0.shape, x0.dtype),
         'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
         'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in residuals.item_shapes],
-        'grads': [place(jnp.zeros((1,) + a.shape, a.dtype)) for a, place in zip(trained, place_layers)],
+        'grads': [place(jnp.zeros((1,) + a.shape, a.dtype))
+                  for a, place in zip(trained, place_layers)],
         'embed_grads': [place(jnp.zeros(a.shape, a.dtype))
                         for a, place in zip(embed_trained, place_embed)],
         'tail_grads': [place(jnp.zeros(a.shape, a.dtype))

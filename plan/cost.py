@@ -62,7 +62,8 @@ class Recipe:
   stages: int = 1                  # pipeline stages, across nodes
   pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
   offload: bool = False            # the optimizer's state in host memory
-  schedule: str = 'gpipe'          # with stages: gpipe, or 1f1b (parallel/pipeline_1f1b.py)
+  schedule: str = 'gpipe'          # with stages: gpipe, 1f1b (parallel/pipeline_1f1b.py) or
+                                   # zb_h1 (parallel/pipeline_zb.py)
   context: int = 1                 # shards of each sequence (models/context.py), within a node
   context_attention: str = 'gather'   # with context: gather or ring (model.context_attention)
 
@@ -73,7 +74,19 @@ class Recipe:
 
   @property
   def pipeline_iterations(self) -> int:
+    """Ticks of the pipeline's loop per microbatch of the accumulation: each a forward and a
+    whole backward (gpipe, 1f1b), or one of F, B and W per stage (zb_h1: its tables' count)."""
+    if self.schedule == 'zb_h1':
+      return 3 * self.pipeline_microbatches + self.stages - 1
     return self.pipeline_microbatches + self.stages - 1
+
+  @property
+  def pipeline_work(self) -> int:
+    """Of those ticks, the ones a stage works (the rest is the bubble), and under gpipe and 1f1b
+    the ones it computes (its vmap computes the bubble's too; zb_h1's branches do not)."""
+    if self.schedule == 'zb_h1':
+      return 3 * self.pipeline_microbatches
+    return self.pipeline_microbatches
 
   def __str__(self):
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
@@ -97,8 +110,9 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # The devices that share one copy of the model: the data-parallel ones and the context shards.
   dp = n // (t * P)
   tokens = batch * seq_len
-  # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M.
-  bubble = recipe.pipeline_iterations / recipe.pipeline_microbatches
+  # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M (zb_h1: 3M + P
+  # - 1 ticks for 3M).
+  bubble = recipe.pipeline_iterations / recipe.pipeline_work
   flops = (cfg.flops_per_token(seq_len, base_trains)
            + (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
   one_f_one_b = P > 1 and recipe.schedule == '1f1b'
@@ -111,12 +125,21 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # Per microbatch, and in a pipeline per iteration of its loop (bubble included): ZeRO-2/3's
   # gradient reduction, and ZeRO-3's gathers (measured at 70B with full remat: the compiler
   # gathers a stage's weights at every iteration, 2.5x the unpipelined bytes at M = 4, P = 2).
-  m = recipe.microbatches * (recipe.pipeline_iterations if P > 1 else 1)
+  # (zb_h1: per microbatch, its F, B and W compute as one iteration of the others, and its W
+  # reduces the gradient.)
+  zero_bubble = P > 1 and recipe.schedule == 'zb_h1'
+  m = recipe.microbatches * (recipe.pipeline_microbatches if zero_bubble else
+                             recipe.pipeline_iterations if P > 1 else 1)
   dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
               3: m * 3 * f * weights}[recipe.zero_stage]
-  # 1F1B under ZeRO-3 gathers a stage's weights once per step and reduces at every tick.
-  if one_f_one_b and zero_shards(recipe.zero_stage, 'params'):
+  # 1F1B and zb_h1 under ZeRO-3 gather a stage's weights once per step and reduce at every tick
+  # (zb_h1: every W).
+  if (one_f_one_b or zero_bubble) and zero_shards(recipe.zero_stage, 'params'):
     dp_bytes = (recipe.microbatches + m) * f * weights
+  # zb_h1 with replicated gradients has no per-device accumulation (train/run.py): each W's
+  # gradient is all-reduced.
+  if zero_bubble and not zero_shards(recipe.zero_stage, 'grads'):
+    dp_bytes = 2 * m * f * weights
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link
@@ -129,7 +152,9 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # Every iteration each stage sends its activation on and, backward, its gradient back: over the
   # network when a stage is a node or more, on the critical path (GPipe does not overlap them).
   permute_link = target.inter_node if n // P >= target.per_node else target.intra_node
-  pipeline_bytes = 2 * m * activation / t if P > 1 else 0.0
+  # (zb_h1 sends both at every tick, 3M + P - 1 of them.)
+  ticks = recipe.microbatches * recipe.pipeline_iterations
+  pipeline_bytes = 2 * ticks * activation / t if P > 1 else 0.0
   pipeline_comm = pipeline_bytes / permute_link
   # Context shards gather every layer's keys and values (again under remat) and reduce-scatter
   # their gradients: in front of the attention that needs them, so on the critical path. A ring

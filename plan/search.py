@@ -6,7 +6,7 @@ with XLA:CPU on as many simulated devices. The estimate ranks as the verifying c
 
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x context shards (long sequences)
 x remat x microbatches, and on
-targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe or 1F1B,
+targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe, 1F1B or zb_h1,
 plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
 frozen-base storage (a LoRA config is sized with only the adapters training, and its compute has
@@ -113,9 +113,11 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       if bits == 8 and config.lora.rank:   # the adapters' moments are too small to matter
         continue
       # A pipeline: any count of pipeline microbatches from the stage count up that divides the
-      # rows, under GPipe or 1F1B (same bubble; 1F1B keeps less, recomputes more).
+      # rows, under GPipe, 1F1B (same bubble; 1F1B keeps less, recomputes more) or zb_h1 (a third
+      # of the bubble, no recomputation, the chunk's residuals kept for P + 1 microbatches).
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
-        for schedule, method in itertools.product(['gpipe'] if p == 1 else ['gpipe', '1f1b'],
+        schedules = ['gpipe'] if p == 1 else ['gpipe', '1f1b', 'zb_h1']
+        for schedule, method in itertools.product(schedules,
                                                   ['gather'] if c == 1 else ['gather', 'ring']):
           found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule,
                               context=c, context_attention=method))

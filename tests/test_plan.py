@@ -82,6 +82,14 @@ def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
   seconds = lambda r: evaluate(config, r, eight_nodes).seconds
   assert seconds(piped)['compute'] == pytest.approx(seconds(flat)['compute'] * (16 + 3) / 16)
   assert seconds(piped)['pipeline_comm'] > 0 == seconds(flat)['pipeline_comm']
+  # Zero bubble: 3M + P - 1 ticks of F, B or W for 3M (a third of the bubble), two activations
+  # sent at every tick.
+  assert {r.schedule for r in staged} == {'gpipe', '1f1b', 'zb_h1'}
+  zero_bubble = dataclasses.replace(piped, schedule='zb_h1')
+  assert seconds(zero_bubble)['compute'] == pytest.approx(
+      seconds(flat)['compute'] * (48 + 3) / 48)
+  assert seconds(zero_bubble)['pipeline_comm'] == pytest.approx(
+      seconds(piped)['pipeline_comm'] * (48 + 3) / (16 + 3))
 
 
 def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
