@@ -32,7 +32,7 @@ from parallel.pipeline import STAGE_AXIS, by_stage, from_stages, on_stages, scan
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _kept, _placed, _take,
                                     _Trained)
 from parallel.rules import REPLICATED
-from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, zb_h1
+from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,9 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   P, M = schedule.stages, schedule.microbatches
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
-  place = lambda tree, places: jax.tree.map(lambda a, p: p(a), tree, places)
-  weights = (weights[0], place(weights[1], placements[2]), place(weights[2], placements[3]))
+  placed_tree = lambda tree, places: jax.tree.map(lambda a, p: p(a), tree, places)
+  weights = (weights[0], placed_tree(weights[1], placements[2]),
+             placed_tree(weights[2], placements[3]))
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
   chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
@@ -73,8 +74,8 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
                   for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))]
   stage_keys = None if keys is None else by_stage(keys, P, 1, chunk)
   place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
-  tables = zb_h1(P, M)
-  loop = _Stage(tables, layer, layers, embed_weights, tail_weights, embed, tail, place_grads)
+  loop = _Stage(schedule.zero_bubble, layer, layers, embed_weights, tail_weights, embed, tail,
+                place_grads)
 
   stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
   run = jax.shard_map(
@@ -109,123 +110,142 @@ class _Stage:
     """(loss, gradients of the chunk's, embedding's and tail's trained weights), each with a
     leading axis of 1: this stage's share, stacked over `stage` by the shard_map."""
     me = jax.lax.axis_index(STAGE_AXIS)
-    first, last = me == 0, me == self.tables.stages - 1
-    leaves = [a[0] for a in stage_leaves]   # [1, chunk, ...]: the stage's one chunk
-    keys = None if stage_keys is None else stage_keys[0, 0]
-    trained = self.layers.trained([a[0] for a in leaves])
-
-    def chunk_inputs(m):
-      chunk_keys = None
-      if keys is not None:   # a dropout mask per layer and microbatch
-        chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, m))(keys)
-      return _take(micro_rows, m), chunk_keys
-
-    def pullback(trained, x, rows_now, chunk_keys):
-      def apply(trained, x):
-        weights = self.layers.with_trained(trained, [a[0] for a in leaves])
-        return scan_chunk(self.layer, weights, x, chunk_keys, rows_now, unroll=True)
-      return jax.vjp(apply, trained, x)
-
-    activation = jax.eval_shape(lambda: self.embed(self.embed_weights.with_trained(embed_trained),
-                                                   _take(micro_embed_rows, 0)))
-    x0 = stream(jnp.zeros(activation.shape, activation.dtype))
-    residuals = Residuals.of(pullback, trained, x0, *chunk_inputs(0))
-    slots = self.tables.slots
-    place_layers, place_embed, place_tail = self.place_grads
-
-    def embed_of(m):
-      return lambda w: self.embed(self.embed_weights.with_trained(w), _take(micro_embed_rows, m))
-
-    # Each action is a branch from the carry's entries it changes to their new values; where the
-    # stage takes another action they pass through. (XLA wants a conditional's results placed
-    # alike in both branches: hence the placements of the gradients' sums and activations.)
-    def forward(c, m, held):
-      """F: the chunk on the microbatch's input (the first stage embeds it); its residuals kept;
-      on the last stage the loss, the tail's gradient, and the gradient its B starts from."""
-      slot = m % slots
-      x = jax.lax.cond(first, lambda: stream(embed_of(m)(embed_trained).astype(x0.dtype)),
-                       lambda: stream(held))
-      y, pull = pullback(trained, x, *chunk_inputs(m))
-      c['kept'] = [_put(k, leaf, slot) for k, leaf in zip(c['kept'], residuals.per_item(pull))]
-      c['forward_out'] = stream(y.astype(x0.dtype))
-
-      def head(loss, tail_grads, dy):
-        tail_of = lambda w, y: self.tail(self.tail_weights.with_trained(w), y,
-                                         micro_targets[m], m)
-        loss_now, tail_vjp = jax.vjp(tail_of, tail_trained, y)
-        d_tail, d_y = tail_vjp(seed)
-        return (loss + loss_now, _added(tail_grads, d_tail, True, place_tail),
-                _put(dy, d_y, slot))
-      c['loss'], c['tail_grads'], c['dy'] = jax.lax.cond(
-          last, head, lambda *a: a, c['loss'], c['tail_grads'], c['dy'])
-      return c
-
-    def input_grad(c, m, kept, dy):
-      """B: the gradient of the chunk's input (on the first stage, of the embedding's weights)."""
-      dx = residuals.pullback(kept)(dy)[1]
-      c['backward_out'] = stream(dx.astype(x0.dtype))
-      c['embed_grads'] = jax.lax.cond(
-          first, lambda g: _added(g, jax.vjp(embed_of(m), embed_trained)[1](
-              dx.astype(activation.dtype))[0], True, place_embed),
-          lambda g: g, c['embed_grads'])
-      return c
-
-    def weight_grad(c, kept, dy):
-      """W: the gradient of the chunk's weights, added to the stage's sums."""
-      d_weights = residuals.pullback(kept)(dy)[0]
-      c['grads'] = [place(g + d[None].astype(g.dtype))
-                    for g, d, place in zip(c['grads'], d_weights, place_layers)]
-      return c
-
-    def tick(carry, row):
-      t = jax.tree.map(lambda a: a[me], row)
-      slot = t['micro'] % slots
-      # What the neighbours sent at the tick before, into its microbatch's slot.
-      carry['inputs'] = _put(carry['inputs'], carry['forward_in'], t['forward_micro'] % slots,
-                             t['forward_arrives'])
-      carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
-                         t['backward_arrives'])
-      changes = lambda *keys: {k: carry[k] for k in keys}
-      carry.update(jax.lax.cond(
-          t['action'] == FORWARD, forward, lambda c, m, held: c,
-          changes('kept', 'forward_out', 'loss', 'tail_grads', 'dy'), t['micro'],
-          carry['inputs'][slot]))
-      kept, dy = [k[slot] for k in carry['kept']], carry['dy'][slot]
-      carry.update(jax.lax.cond(
-          t['action'] == BACKWARD_INPUT, input_grad, lambda c, m, kept, dy: c,
-          changes('backward_out', 'embed_grads'), t['micro'], kept, dy))
-      carry.update(jax.lax.cond(
-          t['action'] == BACKWARD_WEIGHTS, weight_grad, lambda c, kept, dy: c,
-          changes('grads'), kept, dy))
-      stages = self.tables.stages
-      # Every F's output one stage on, every B's one stage back (what no action made is sent
-      # too, and not read: the tables say what arrives).
-      carry['forward_in'] = jax.lax.ppermute(carry['forward_out'], STAGE_AXIS,
-                                             [(i, (i + 1) % stages) for i in range(stages)])
-      carry['backward_in'] = jax.lax.ppermute(carry['backward_out'], STAGE_AXIS,
-                                              [(i, (i - 1) % stages) for i in range(stages)])
-      return carry, None
-
-    carry = {
-        'forward_in': x0, 'backward_in': x0, 'forward_out': x0, 'backward_out': x0,
-        'inputs': jnp.zeros((slots,) + x0.shape, x0.dtype),
-        'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
-        'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in residuals.item_shapes],
-        'grads': [place(jnp.zeros((1,) + a.shape, a.dtype))
-                  for a, place in zip(trained, place_layers)],
-        'embed_grads': [place(jnp.zeros(a.shape, a.dtype))
-                        for a, place in zip(embed_trained, place_embed)],
-        'tail_grads': [place(jnp.zeros(a.shape, a.dtype))
-                       for a, place in zip(tail_trained, place_tail)],
-        'loss': jnp.zeros((), jnp.float32),
-    }
+    leaves = [a[0, 0] for a in stage_leaves]   # the stage's one chunk, [chunk, ...] each
+    loop = _StageLoop(self, me, leaves, self.layers.trained(leaves),
+                      None if stage_keys is None else stage_keys[0, 0], embed_trained,
+                      tail_trained, micro_rows, micro_embed_rows, micro_targets, seed)
     table = {k: jnp.asarray(getattr(self.tables, k)) for k in (
         'action', 'micro', 'forward_arrives', 'forward_micro', 'backward_arrives',
         'backward_micro')}
-    carry = jax.lax.scan(tick, carry, table)[0]
+    carry = jax.lax.scan(loop.tick, loop.first_carry(), table)[0]
     one = lambda a: a[None]
     return (one(carry['loss']), [g[None] for g in carry['grads']],
             [one(g) for g in carry['embed_grads']], [one(g) for g in carry['tail_grads']])
+
+
+class _StageLoop:
+  """What one stage's ticks read (its weights, keys, microbatches, and the pullback's split into
+  per-microbatch and per-step residuals); its methods are the tick and its three actions. Each
+  action is a branch from the carry's entries it changes to their new values; where the stage
+  takes another action they pass through. (XLA wants a conditional's results placed alike in
+  both branches: hence the placements of the gradients' sums and the activations.)"""
+
+  def __init__(self, stage: _Stage, me, leaves, trained, keys, embed_trained, tail_trained,
+               micro_rows, micro_embed_rows, micro_targets, seed):
+    self.s, self.me, self.leaves, self.trained, self.keys = stage, me, leaves, trained, keys
+    self.first, self.last = me == 0, me == stage.tables.stages - 1
+    self.embed_trained, self.tail_trained, self.seed = embed_trained, tail_trained, seed
+    self.micro_rows, self.micro_embed_rows = micro_rows, micro_embed_rows
+    self.micro_targets = micro_targets
+    self.slots = stage.tables.slots
+    self.activation = jax.eval_shape(lambda: self.embed_of(0)(embed_trained))
+    self.x0 = stream(jnp.zeros(self.activation.shape, self.activation.dtype))
+    self.residuals = Residuals.of(self.pullback, trained, self.x0, *self.chunk_inputs(0))
+
+  def chunk_inputs(self, m):
+    """The microbatch's per-row inputs and dropout keys (a mask per layer and microbatch)."""
+    chunk_keys = None
+    if self.keys is not None:
+      chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, m))(self.keys)
+    return _take(self.micro_rows, m), chunk_keys
+
+  def pullback(self, trained, x, rows_now, chunk_keys):
+    """(the chunk's output, its pullback) at `trained` weights and input `x`."""
+    def apply(trained, x):
+      weights = self.s.layers.with_trained(trained, self.leaves)
+      return scan_chunk(self.s.layer, weights, x, chunk_keys, rows_now, unroll=True)
+    return jax.vjp(apply, trained, x)
+
+  def embed_of(self, m):
+    return lambda w: self.s.embed(self.s.embed_weights.with_trained(w),
+                                  _take(self.micro_embed_rows, m))
+
+  def forward(self, c, m, held):
+    """F: the chunk on the microbatch's input (the first stage embeds it); its residuals kept;
+    on the last stage the loss, the tail's gradient, and the gradient its B starts from."""
+    slot, x0 = m % self.slots, self.x0
+    x = jax.lax.cond(self.first,
+                     lambda: stream(self.embed_of(m)(self.embed_trained).astype(x0.dtype)),
+                     lambda: stream(held))
+    y, pull = self.pullback(self.trained, x, *self.chunk_inputs(m))
+    c['kept'] = [_put(k, leaf, slot) for k, leaf in zip(c['kept'], self.residuals.per_item(pull))]
+    c['forward_out'] = stream(y.astype(x0.dtype))
+
+    def head(loss, tail_grads, dy):
+      tail_of = lambda w, y: self.s.tail(self.s.tail_weights.with_trained(w), y,
+                                         self.micro_targets[m], m)
+      loss_now, tail_vjp = jax.vjp(tail_of, self.tail_trained, y)
+      d_tail, d_y = tail_vjp(self.seed)
+      return (loss + loss_now, _added(tail_grads, d_tail, True, self.s.place_grads[2]),
+              _put(dy, d_y, slot))
+    c['loss'], c['tail_grads'], c['dy'] = jax.lax.cond(
+        self.last, head, lambda *a: a, c['loss'], c['tail_grads'], c['dy'])
+    return c
+
+  def input_grad(self, c, m, kept, dy):
+    """B: the gradient of the chunk's input (on the first stage, of the embedding's weights)."""
+    dx = self.residuals.pullback(kept)(dy)[1]
+    c['backward_out'] = stream(dx.astype(self.x0.dtype))
+    embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_trained)[1]
+    c['embed_grads'] = jax.lax.cond(
+        self.first, lambda g: _added(g, embed_vjp()(dx.astype(self.activation.dtype))[0], True,
+                                     self.s.place_grads[1]),
+        lambda g: g, c['embed_grads'])
+    return c
+
+  def weight_grad(self, c, kept, dy):
+    """W: the gradient of the chunk's weights, added to the stage's sums."""
+    d_weights = self.residuals.pullback(kept)(dy)[0]
+    c['grads'] = [place(g + d[None].astype(g.dtype))
+                  for g, d, place in zip(c['grads'], d_weights, self.s.place_grads[0])]
+    return c
+
+  def tick(self, carry, row):
+    """What arrived filed into its slot, the stage's action of the tick, then the sends."""
+    t = jax.tree.map(lambda a: a[self.me], row)
+    slots = self.slots
+    slot = t['micro'] % slots
+    carry['inputs'] = _put(carry['inputs'], carry['forward_in'], t['forward_micro'] % slots,
+                           t['forward_arrives'])
+    carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
+                       t['backward_arrives'])
+    changes = lambda *keys: {k: carry[k] for k in keys}
+    carry.update(jax.lax.cond(
+        t['action'] == FORWARD, self.forward, lambda c, m, held: c,
+        changes('kept', 'forward_out', 'loss', 'tail_grads', 'dy'), t['micro'],
+        carry['inputs'][slot]))
+    kept, dy = [k[slot] for k in carry['kept']], carry['dy'][slot]
+    carry.update(jax.lax.cond(
+        t['action'] == BACKWARD_INPUT, self.input_grad, lambda c, m, kept, dy: c,
+        changes('backward_out', 'embed_grads'), t['micro'], kept, dy))
+    carry.update(jax.lax.cond(
+        t['action'] == BACKWARD_WEIGHTS, self.weight_grad, lambda c, kept, dy: c,
+        changes('grads'), kept, dy))
+    # Every F's output one stage on, every B's one stage back (what no action made is sent too,
+    # and not read: the tables say what arrives).
+    stages = self.s.tables.stages
+    carry['forward_in'] = jax.lax.ppermute(carry['forward_out'], STAGE_AXIS,
+                                           [(i, (i + 1) % stages) for i in range(stages)])
+    carry['backward_in'] = jax.lax.ppermute(carry['backward_out'], STAGE_AXIS,
+                                            [(i, (i - 1) % stages) for i in range(stages)])
+    return carry, None
+
+  def first_carry(self) -> dict:
+    """The loop's state before its first tick: nothing in flight or kept, every sum zero."""
+    x0, slots = self.x0, self.slots
+    places = self.s.place_grads
+    zeros = lambda shapes, places, lead=(): [place(jnp.zeros(lead + a.shape, a.dtype))
+                                             for a, place in zip(shapes, places)]
+    return {
+        'forward_in': x0, 'backward_in': x0, 'forward_out': x0, 'backward_out': x0,
+        'inputs': jnp.zeros((slots,) + x0.shape, x0.dtype),
+        'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
+        'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in self.residuals.item_shapes],
+        'grads': zeros(self.trained, places[0], (1,)),
+        'embed_grads': zeros(self.embed_trained, places[1]),
+        'tail_grads': zeros(self.tail_trained, places[2]),
+        'loss': jnp.zeros((), jnp.float32),
+    }
 
 
 @dataclasses.dataclass
