@@ -740,13 +740,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
   activations = (in_flight + 4) * row + max(chunk, tail)
   p = policy.param_bytes
-  stage_weights = cfg.num_layers / P * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
-  trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
-  vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
-  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads')
-  whole = 0
-  if shape.gathers_params:
-    whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
+  stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   loop_copies = 0
   if cfg.remat != 'none':
     # The chunk's layers in a loop (under remat): XLA gives that loop its own copy of the weights
@@ -778,15 +772,25 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
   tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
   activations = slots * item + (2 * slots + 4) * row + max(layer['activations'], tail)
+  _, _, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
+  return {'activations': activations, 'temporaries': vocab_sums + whole + layer['weights']}
+
+
+def loop_weights(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                 frozen: 'Frozen | None') -> tuple[float, float, float, float]:
+  """What a pipeline whose backward runs in its loop (1f1b, zb_h1) holds of the weights: (the
+  parameters of a stage's layers, the trained fraction, the embedding's and head's gradient sums
+  on every stage, under ZeRO-3 the stage's weights and vocabulary tables whole over `fsdp`)."""
   p = policy.param_bytes
-  stage_weights = cfg.num_layers / P * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  stage_weights = (cfg.num_layers / shape.stages
+                   * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer))
   trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
   vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
   vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads')
   whole = 0
   if shape.gathers_params:
     whole = (stage_weights * p + vocab_tables * FP32) / shape.tensor * gathered(cfg, shape)
-  return {'activations': activations, 'temporaries': vocab_sums + whole + layer['weights']}
+  return stage_weights, trained, vocab_sums, whole
 
 
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
