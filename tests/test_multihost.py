@@ -63,8 +63,8 @@ def runs(tmp_path_factory):
   single = tmp / 'single'
   subprocess.run(main_args(single, corpus) + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
                  capture_output=True, timeout=600)
-  shared = tmp / 'two'
-  return single, shared, both_processes(main_args(shared, corpus))
+  shared = tmp / 'two'   # checkpoints at step 2 and at its end, for the damaged-file test
+  return single, shared, both_processes(main_args(shared, corpus) + ['--config.train.checkpoint_every=2'])
 
 
 def test_two_processes_match_the_single_process_losses(runs):
@@ -118,27 +118,28 @@ def test_a_run_of_two_processes_resumes_on_one_with_fewer_devices(runs, tmp_path
   assert rows[-1]['step'] == STEPS + 2 and 'eval_loss' in rows[-1]
 
 
-def test_a_file_only_one_process_reads_damaged_passes_over_that_step_for_both(tmp_path):
-  """Step 4's arrays written by process 1 are truncated: only process 1 reads them (its shards),
-  yet both processes pass over step 4 together, resume from step 2, and train to the end with the
-  first run's losses; step 4 is moved aside once."""
-  corpus = small_corpus(tmp_path)
+def test_a_file_only_one_process_reads_damaged_passes_over_that_step_for_both(runs, tmp_path):
+  """The fixture's two-process run, copied (checkpoints at step 2 and at its last, 3): step 3's
+  arrays written by process 1 are truncated: only process 1 reads them (its shards), yet both
+  processes pass over step 3 together, resume from step 2, and train to the end with the first
+  run's losses; step 3 is moved aside once."""
+  _, shared, _ = runs
   workdir = tmp_path / 'two'
-  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
-  args += ['--config.train.steps=4', '--config.train.checkpoint_every=2']
-  both_processes(args)
+  shutil.copytree(shared, workdir)
+  corpus = json.load(open(workdir / 'config.json'))['data']['path']
+  args = main_args(workdir, corpus) + ['--config.train.checkpoint_every=2']
   first = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
            if 'loss' in row}
-  damaged = sorted((workdir / 'checkpoints' / '4' / 'state').glob('ocdbt.process_1/d/*'))
+  damaged = sorted((workdir / 'checkpoints' / str(STEPS) / 'state').glob('ocdbt.process_1/d/*'))
   assert damaged
   for path in damaged:
     path.write_bytes(path.read_bytes()[:10])
-  truncate_jsonl(str(workdir / 'metrics.jsonl'), keep_before=3)   # not finished: it restores
+  truncate_jsonl(str(workdir / 'metrics.jsonl'), keep_before=STEPS)   # not finished: it restores
   outputs = both_processes(args)
   out = outputs[0][0]
-  assert f'checkpoint  {workdir}/checkpoints/4 does not restore (process 1: ' in out, out
+  assert f'checkpoint  {workdir}/checkpoints/{STEPS} does not restore (process 1: ' in out, out
   assert 'resumed     from step 2' in out
-  assert sorted(os.listdir(workdir / 'checkpoints-broken')) == ['4', '4.digests.json']
+  assert sorted(os.listdir(workdir / 'checkpoints-broken')) == [f'{STEPS}', f'{STEPS}.digests.json']
   again = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
            if 'loss' in row}
   assert again == first
@@ -225,53 +226,66 @@ def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(tmp_p
   assert int(state['step']) == step and data['step'] == step
 
 
-@pytest.mark.parametrize('victim', [1, 0])
-def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_resume(tmp_path,
-                                                                                      victim):
-  """A process is killed (SIGKILL) after the first checkpoint, process 1 or the coordinator's
-  process 0 (the coordination service lives on in its own process, parallel/coordinator.py); the
-  other stops within --peer_timeout with one line and exit code 75, writing nothing more. Both
-  started again resume from the checkpoint: the steps trained twice have the same losses both
-  times (one program on CPU devices is deterministic), and the run finishes."""
-  from parallel.peers import EXIT_LOST_PEER
+def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_resume(tmp_path):
+  """A process is killed (SIGKILL) after a checkpoint: first process 1, then, in the resumed run,
+  the coordinator's process 0 (the coordination service lives on in its own process,
+  parallel/coordinator.py). Each time the other stops within --peer_timeout with one line and exit
+  code 75, writing nothing more, and both started again resume from the newest checkpoint. The
+  steps trained more than once have the same losses every time (one program on CPU devices is
+  deterministic), and the run finishes."""
   from tests.test_faults import wait_for_step
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'two'
   args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
-  args += ['--config.train.steps=12', '--config.train.checkpoint_every=4', '--host_devices=4',
+  args += ['--config.train.steps=20', '--config.train.checkpoint_every=4', '--host_devices=4',
            '--num_processes=2', '--coordinator_timeout=60', '--peer_timeout=10']
-
-  def start_both():
-    port = free_port()
-    return [subprocess.Popen(args + [f'--coordinator_address=127.0.0.1:{port}', f'--process_id={i}'],
-                             cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for i in range(2)]
-
-  procs = start_both()
-  survivor = 1 - victim
-  wait_for_step(workdir, procs[0], 6)   # past the checkpoint at 4, 6 steps (one more save) short of the end
-  procs[victim].send_signal(signal.SIGKILL)
-  killed_at = time.monotonic()
-  out, err = procs[survivor].communicate(timeout=120)
-  stopped_after = time.monotonic() - killed_at
-  procs[victim].communicate()
-  assert procs[survivor].returncode == EXIT_LOST_PEER, err[-3000:]
-  assert stopped_after < 10 + 10, stopped_after   # the timeout and a few heartbeats
-  assert 'Traceback' not in err and 'Fatal Python error' not in err
-  newest = max(int(name) for name in os.listdir(workdir / 'checkpoints') if name.isdigit())
-  assert err.strip().splitlines()[-1] == (
-      f'error: lost process {victim} (no heartbeat for 10 s); process {survivor} stops without '
-      f'writing anything more (exit code {EXIT_LOST_PEER}); newest checkpoint: step {newest} in '
-      f'{workdir}/checkpoints; start every process again with the same command to resume from it')
-  first = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
-           if 'loss' in row}
-  # The checkpoint restores as it is (its digests match) and the run goes on to the end.
-  procs = start_both()
+  seen, newest, procs = {}, 0, start_both(args)
+  for victim in (1, 0):
+    # Killed 6 steps past the newest checkpoint: one more save lies between the kill and the end.
+    wait_for_step(workdir, procs[0], newest + 6)
+    outputs = killed(procs, victim)
+    if newest:
+      assert f'resumed     from step {newest}' in outputs[0][0]
+    newest = max(int(name) for name in os.listdir(workdir / 'checkpoints') if name.isdigit())
+    assert outputs[1 - victim][1].strip().splitlines()[-1] == (
+        f'error: lost process {victim} (no heartbeat for 10 s); process {1 - victim} stops without '
+        f'writing anything more (exit code 75); newest checkpoint: step {newest} in '
+        f'{workdir}/checkpoints; start every process again with the same command to resume from it')
+    for row in map(json.loads, open(workdir / 'metrics.jsonl')):
+      if 'loss' in row:
+        seen.setdefault(row['step'], set()).add(row['loss'])
+    procs = start_both(args)   # the checkpoint restores as it is (its digests match)
   outputs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outputs]
   assert f'resumed     from step {newest}' in outputs[0][0]
-  resumed = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
-             if 'loss' in row}
-  assert sorted(resumed) == list(range(1, 13))
-  again = [step for step in first if step > newest]
-  assert again and all(resumed[step] == first[step] for step in first)
+  final = {row['step']: row['loss'] for row in map(json.loads, open(workdir / 'metrics.jsonl'))
+           if 'loss' in row}
+  assert sorted(final) == list(range(1, 21))
+  again = [step for step in seen if step > newest]
+  assert again and all(seen[step] == {final[step]} for step in seen)
+
+
+def start_both(args) -> list:
+  """Processes 0 and 1 of a job of two, on a fresh port."""
+  port = free_port()
+  return [subprocess.Popen(args + [f'--coordinator_address=127.0.0.1:{port}', f'--process_id={i}'],
+                           cwd=ROOT, env=child_environ(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def killed(procs, victim: int) -> list[tuple[str, str]]:
+  """(stdout, stderr) of both after `victim` is killed with SIGKILL: the other must stop on its
+  own within the peer timeout (10 s) and a few heartbeats, with exit code 75 and no traceback."""
+  from parallel.peers import EXIT_LOST_PEER
+  survivor = 1 - victim
+  procs[victim].send_signal(signal.SIGKILL)
+  killed_at = time.monotonic()
+  outputs = [None, None]
+  outputs[survivor] = procs[survivor].communicate(timeout=120)
+  stopped_after = time.monotonic() - killed_at
+  outputs[victim] = procs[victim].communicate()
+  err = outputs[survivor][1]
+  assert procs[survivor].returncode == EXIT_LOST_PEER, err[-3000:]
+  assert stopped_after < 10 + 10, stopped_after
+  assert 'Traceback' not in err and 'Fatal Python error' not in err
+  return outputs

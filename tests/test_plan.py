@@ -92,9 +92,19 @@ def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
       seconds(piped)['pipeline_comm'] * (48 + 3) / (16 + 3))
 
 
-def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
-  """A small model on a target so small that most recipes do not fit: what comes back fits when
-  compiled, and the config file it writes loads and names that recipe."""
+def test_the_chosen_recipe_compiles_within_the_target(tmp_path, monkeypatch):
+  """A small model on a target so small that most recipes do not fit: what comes back fits as the
+  plan's own check compiled it (a `main.py --dry_run` of each candidate's config file), and the
+  config file it writes loads to the very config that check compiled. (Compiling the written file
+  again would be the same XLA:GPU compile, 15 s, a second time.)"""
+  from plan import report
+  compiled = []
+
+  def recorded(config, target, backend):
+    total = compile_total(config, target, backend)
+    compiled.append((config.to_dict(), total))
+    return total
+  monkeypatch.setattr(report, 'compile_total', recorded)
   config = default.get_config('small')   # 12 of 252 recipes fit (100m on 2x1.2GB: 3x longer)
   config.train.batch_size = 8
   config.train.seq_len = 256
@@ -104,8 +114,11 @@ def test_the_chosen_recipe_compiles_within_the_target(tmp_path):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   planned = module.get_config()
-  compiled = compile_total(planned, target, verifier())
-  assert isinstance(compiled, int) and compiled <= target.memory * (1 - MARGIN)
+  assert (planned.name, planned.host_devices) == (f'planned:{config.name}@2x0.05GB', 0)
+  written = {**planned.to_dict(), 'name': config.name, 'host_devices': config.host_devices}
+  totals = [total for candidate, total in compiled if candidate == written]
+  assert totals, f'the written config is none of the {len(compiled)} the plan compiled'
+  assert isinstance(totals[-1], int) and totals[-1] <= target.memory * (1 - MARGIN)
   assert planned.mesh.to_dict()['data'] * planned.mesh.fsdp * planned.mesh.tensor == 2
   assert os.path.basename(path) == 'planned_config.py'
 
