@@ -95,7 +95,7 @@ def test_kill_9_sigterm_and_sigint_at_any_point_then_resume_equals_the_uninterru
     proc.communicate()
 
   straight = tmp_path / 'straight'
-  end = stop(straight, 120, signal.SIGINT)
+  end = stop(straight, 40, signal.SIGINT)   # well past the kills below, a few steps after step 10
   faulty = tmp_path / 'faulty'
   first = stop(faulty, 10, signal.SIGTERM)
   rng = random.Random(0)
