@@ -16,6 +16,7 @@ import pytest
 
 from configs.layouts import layout_config
 from tests.helpers import child_environ
+from tests.test_docs import run_documented
 from tests.test_run import ROOT, small_corpus
 from train import run
 from train.checkpoint import Checkpointer
@@ -55,24 +56,33 @@ def both_processes(args) -> list[tuple[str, str]]:
   return outputs
 
 
+# docs/parallel.md's two processes; this module's fixture runs them for the guide and its tests.
+DOCUMENTED = ('python main.py --config=configs/fsdp.py --host_devices=4 --workdir=runs/two '
+              '--coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1')
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
+  """The one-process ZeRO-3 run on 8 devices, and docs/parallel.md's command for two processes of
+  4 devices each, given this module's steps, data and a free port (and checkpoints at step 2 and
+  at the end, for the damaged-file test): (the one's workdir, the two's, their output)."""
   tmp = tmp_path_factory.mktemp('multihost')
   corpus = small_corpus(tmp)
-  env = child_environ()
   single = tmp / 'single'
-  subprocess.run(main_args(single, corpus) + ['--host_devices=8'], cwd=ROOT, env=env, check=True,
-                 capture_output=True, timeout=600)
-  shared = tmp / 'two'   # checkpoints at step 2 and at its end, for the damaged-file test
-  return single, shared, both_processes(main_args(shared, corpus) + ['--config.train.checkpoint_every=2'])
+  subprocess.run(main_args(single, corpus) + ['--host_devices=8'], cwd=ROOT, env=child_environ(),
+                 check=True, capture_output=True, timeout=600)
+  flags = [a for a in main_args(single, corpus) if a.startswith('--config.')]
+  output = run_documented('docs/parallel.md', DOCUMENTED, tmp, *flags,
+                          '--config.train.checkpoint_every=2',
+                          f'--coordinator_address=127.0.0.1:{free_port()}')
+  return single, tmp / 'runs' / 'two', output
 
 
 def test_two_processes_match_the_single_process_losses(runs):
-  single, shared, outputs = runs
+  single, shared, output = runs
   assert len(losses(shared)) == STEPS
   np.testing.assert_allclose(losses(shared), losses(single), rtol=1e-5)
-  # Only process 0 reports.
-  assert 'sample (prompt' in outputs[0][0] and 'sample (prompt' not in outputs[1][0]
+  assert output.count('sample (prompt') == 1   # only process 0 reports
 
 
 def restored_params(checkpoint_dir, mesh: dict, devices):
