@@ -81,6 +81,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
                                           # (docs/parallel.md: which to use)
       pipeline_microbatches=4,            # per step (per train.microbatches), at least mesh.stage
       pipeline_repeats=1,                 # circular, interleaved_1f1b: layer chunks per stage
+      pipeline_gather_once=False,         # gpipe, circular under ZeRO-3: each stage's weights
+                                          # gathered once per step, not at every iteration (the
+                                          # 1f1b schedules always do); holds them whole
       offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed
                                           # to the device a layer at a time for the update
       offload_frozen=False,               # LoRA/QLoRA: the frozen base in host memory, streamed

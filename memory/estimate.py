@@ -137,6 +137,7 @@ class StepShape:
   pipeline_microbatches: int = 1   # what the pipeline splits one microbatch into
   repeats: int = 1       # layer chunks per stage (circular schedule)
   schedule: str = 'gpipe'   # parallel.pipeline_schedule: 1f1b ones run the backward in the loop
+  gather_once: bool = False   # gpipe, circular: ZeRO-3's weights gathered before the loop
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
@@ -181,6 +182,12 @@ class StepShape:
   def gathers_params(self) -> bool:
     """ZeRO-3 over more than one device: weights are all-gathered where they are used."""
     return self.sharded('params') and self.fsdp > 1
+
+  @property
+  def stage_whole(self) -> bool:
+    """A gpipe or circular stage's layer weights gathered whole once per step, before its loop,
+    and their gradients summed whole over it (parallel.pipeline_gather_once)."""
+    return self.gather_once and self.gathers_params and self.stages > 1 and not self.backward_in_loop
 
 
 def on_gpu(shape: 'StepShape') -> bool:
@@ -795,8 +802,8 @@ def loop_weights(cfg: ModelConfig, policy: Policy, shape: StepShape,
 
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Circular under ZeRO-3: the chunk whose forward is recomputed has its weights gathered for
-  that forward and holds them through its backward."""
-  if shape.repeats == 1 or not shape.gathers_params:
+  that forward and holds them through its backward (unless the stage's are whole already)."""
+  if shape.repeats == 1 or not shape.gathers_params or shape.stage_whole:
     return 0
   layers = cfg.num_layers / (shape.stages * shape.repeats)
   return layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
@@ -1029,8 +1036,15 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
-  pipeline_grads = (cfg.num_layers / shape.stages * cfg.params_per_layer * p
-                    / shards(cfg, shape, 'grads') if shape.stages > 1 and frozen is None else 0)
+  stage_layers = cfg.num_layers / shape.stages * cfg.params_per_layer
+  pipeline_grads = (stage_layers * p / shards(cfg, shape, 'grads')
+                    if shape.stages > 1 and frozen is None else 0)
+  # parallel.pipeline_gather_once: the stage's weights gathered whole before the loop and held
+  # through the step (gpipe and circular, 4 stages x 2-way ZeRO-3, bench.studies.pipeline
+  # --gather_once, XLA:CPU: 7b +6.03 GiB compiled at every M from 4 to 32, the stage's fp32 layer
+  # weights; 100m +139 to +152 MiB, half as much again, which this leaves out: -3.7 to -4.0 %).
+  whole_stage = (stage_layers * p * gathered(cfg, shape) / shape.tensor
+                 if shape.stage_whole else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).
@@ -1059,7 +1073,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   quantized = frozen is not None and frozen.quantized
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
-  common = microbatch_grads + copies + pipeline_grads
+  common = microbatch_grads + copies + pipeline_grads + whole_stage
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
   # for its recomputed forward and, pipelined into the backward loop, for its backward (1b ZeRO-3
   # on 8 and 512 H100s, bench.buffers --target: two to three layers' matrices in flight at the

@@ -27,9 +27,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen
+from flax import linen, nnx
+from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
+from parallel.rules import REPLICATED
 from parallel.zero_bubble import ZeroBubbleTables, zb_h1
 
 STAGE_AXIS = 'stage'
@@ -237,7 +239,7 @@ class PipelineSchedule:
     return None
 
 
-def pipelined(schedule: PipelineSchedule):
+def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
   """A `models.llama.Stack` that runs the block stack through `schedule` on the `stage` axis.
 
   Each stage keeps a ring of activation slots: the M microbatches of the batch, the M outputs of
@@ -252,7 +254,12 @@ def pipelined(schedule: PipelineSchedule):
 
   Per-row inputs (`rows`: packed rows' segment ids and rotary tables) are split into microbatches
   like the batch; each stage reads those of the microbatch it works on. They are inputs, not
-  activations: nothing of them moves between stages."""
+  activations: nothing of them moves between stages.
+
+  `gather_once` (ZeRO-3, `parallel.pipeline_gather_once`): each stage's weights are gathered whole
+  over `fsdp` once per step, before the loop, as 1F1B's are, instead of inside it at every
+  iteration; their gradients are then summed whole over the loop and reduce-scattered once after
+  it. A device holds its stage's weights and their gradient sum whole over `fsdp` for the step."""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   moves = {k: jnp.asarray(v) for k, v in schedule.moves().items()}
 
@@ -260,7 +267,10 @@ def pipelined(schedule: PipelineSchedule):
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     chunk = schedule.layers_per_chunk(num_layers)
 
-    stage_layers = jax.tree.map(lambda a: on_stages(by_stage(a, P, R, chunk)), layers)
+    leaves, tree = jax.tree.flatten(layers)
+    places = whole_on_stages(layers) if gather_once else [on_stages] * len(leaves)
+    stage_layers = tree.unflatten([place(by_stage(a, P, R, chunk))
+                                   for a, place in zip(leaves, places)])
     stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
     if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
       stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
@@ -333,6 +343,17 @@ def on_stages(a: jax.Array) -> jax.Array:
   is contiguous); left to itself XLA moves the weights inside the loop, at every iteration."""
   return jax.lax.with_sharding_constraint(
       a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
+
+
+def whole_on_stages(layers) -> list:
+  """Per leaf of `layers` (the stacked weights, an nnx State), what places its [P, R, chunk, ...]
+  form on the stages whole over `fsdp`: its other axes (`tensor`) split as the layout splits them."""
+  def place(logical):
+    spec = logical_to_mesh_axes(logical, REPLICATED)
+    return lambda a: jax.lax.with_sharding_constraint(
+        a, PartitionSpec(STAGE_AXIS, None, None, *spec[1:]))
+  return [place(logical) for logical in jax.tree.leaves(
+      nnx.get_partition_spec(layers), is_leaf=lambda x: isinstance(x, PartitionSpec))]
 
 
 def scan_chunk(layer, weights, x, keys, rows, unroll: bool = False):

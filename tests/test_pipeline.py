@@ -151,6 +151,12 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
     'circular-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2), 'parallel.zero_stage': 1,
                            'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2,
                            'train.microbatches': 2},
+    # ZeRO-3's weights gathered once per step, before the loop (parallel.pipeline_gather_once).
+    'gpipe-fsdp-M4-gather-once': {'parallel.pipeline_gather_once': True},
+    'circular-fsdp-M8-gather-once': {'parallel.pipeline_schedule': 'circular',
+                                     'parallel.pipeline_repeats': 2,
+                                     'parallel.pipeline_microbatches': 8,
+                                     'parallel.pipeline_gather_once': True},
     '1f1b-fsdp-M8': {'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_microbatches': 8},
     'interleaved_1f1b-fsdp-M8': {'parallel.pipeline_schedule': 'interleaved_1f1b',
                                  'parallel.pipeline_repeats': 2, 'parallel.pipeline_microbatches': 8},
@@ -228,11 +234,16 @@ def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_gr
   assert one_f_one_b[1] < gpipe[1] / 2
 
 
-def test_zero3_under_1f1b_gathers_each_stages_weights_once_per_step():
-  gathered = {schedule: [_compiled(schedule, m)['collectives_per_step']['all-gather']['bytes']
-                         for m in (4, 16)] for schedule in ('gpipe', '1f1b')}
-  assert gathered['1f1b'][0] == gathered['1f1b'][1]      # whatever the microbatches
-  assert gathered['gpipe'][1] > 2 * gathered['1f1b'][1]  # GPipe gathers at every iteration
+def test_zero3_under_1f1b_or_gathered_once_gathers_each_stages_weights_once_per_step():
+  """1F1B gathers a stage's ZeRO-3 weights before its loop; GPipe at every iteration, unless
+  parallel.pipeline_gather_once: then once, as 1F1B does."""
+  def gathered(schedule, **overrides):
+    return [_compiled(schedule, m, **overrides)['collectives_per_step']['all-gather']['bytes']
+            for m in (4, 16)]
+  once, gpipe = gathered('1f1b'), gathered('gpipe')
+  gpipe_once = gathered('gpipe', **{'parallel.pipeline_gather_once': True})
+  assert once[0] == once[1] and gpipe_once[0] == gpipe_once[1]   # whatever the microbatches
+  assert gpipe[1] > 2 * once[1] and gpipe[1] > 2 * gpipe_once[1]  # GPipe gathers at every iteration
 
 
 def test_the_dry_run_reports_the_compiled_schedule():
@@ -297,6 +308,11 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
       'parallel.pipeline_microbatches': 6, 'train.batch_size': 12}, 'use a multiple of 4'),
     ({'precision': 'bf16_mixed', 'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed'},
      'quant.fp8_scaling=delayed with mesh.stage > 1'),
+    ({'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_gather_once': True},
+     "parallel.pipeline_gather_once=True with parallel.pipeline_schedule='1f1b' and "
+     "parallel.zero_stage=3"),
+    ({'parallel.zero_stage': 2, 'parallel.pipeline_gather_once': True},
+     'below ZeRO-3 the weights are whole already'),
 ])
 def test_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
   with pytest.raises(checks.ConfigError, match=re.escape(message)) as e:

@@ -225,7 +225,8 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    scheduling_memory=scheduling_memory(s.mesh.devices.flat[0]),
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
-                       repeats=s.pipeline.repeats, schedule=s.pipeline.name)))
+                       repeats=s.pipeline.repeats, schedule=s.pipeline.name,
+                       gather_once=s.config.parallel.get('pipeline_gather_once', False))))
 
 
 def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:

@@ -64,4 +64,4 @@ def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
     return ZeroBubble(schedule, rules)
   if schedule.backward_in_loop:
     return OneFOneB(schedule, rules, rolled_backward=config.model.remat != 'none')
-  return pipelined(schedule)
+  return pipelined(schedule, gather_once=config.parallel.get('pipeline_gather_once', False))

@@ -29,6 +29,9 @@ _REPEATS = flags.DEFINE_integer('repeats', 2, 'Chunks per stage of the circular 
                                 'interleaved_1f1b schedules.')
 _SCHEDULES = flags.DEFINE_list('schedules', ['gpipe', 'circular', '1f1b', 'interleaved_1f1b'],
                                'Schedules to compile.')
+_GATHER_ONCE = flags.DEFINE_bool('gather_once', False, 'gpipe and circular with '
+                                  'parallel.pipeline_gather_once (ZeRO-3 weights gathered once per '
+                                  'step); the 1f1b schedules always gather once.')
 _OUT = flags.DEFINE_string('out', 'bench/results/pipeline.json', 'Where the rows are written.')
 _COMPOSE = flags.DEFINE_bool('compose', False, 'Instead: two steps of each precision, quant mode '
                              'and LoRA variant through the pipeline layout and on one device.')
@@ -78,7 +81,9 @@ def main(argv):
                            'train.batch_size': _BATCH.value, 'parallel.pipeline_microbatches': m,
                            'train.microbatches': _ACCUMULATION.value,
                            'parallel.pipeline_schedule': schedule,
-                           'parallel.pipeline_repeats': repeats}.items():
+                           'parallel.pipeline_repeats': repeats,
+                           'parallel.pipeline_gather_once': _GATHER_ONCE.value and schedule in (
+                               'gpipe', 'circular')}.items():
           default.override(config, key, value)
         try:
           s = run.setup(config)
@@ -89,6 +94,7 @@ def main(argv):
         memory = run.memory_report(s, run.compile_train_step(s))
         pipe, collectives = memory['pipeline'], memory['collectives_per_step']
         row = {'stages': stages, 'microbatches': m, 'schedule': schedule, 'repeats': repeats,
+               'gather_once': config.parallel.pipeline_gather_once,
                'bubble_fraction': pipe['bubble_fraction'], 'bubble_formula': pipe['bubble_formula'],
                'compiled_bytes': memory['per_device_bytes']['total'],
                'temp_bytes': memory['per_device_bytes']['temp'],
