@@ -185,8 +185,8 @@ class StepShape:
 
   @property
   def stage_whole(self) -> bool:
-    """A gpipe or circular stage's layer weights gathered whole once per step, before its loop,
-    and their gradients summed whole over it (parallel.pipeline_gather_once)."""
+    """A gpipe or circular stage's layer weights gathered whole once per step, before its loop
+    (parallel.pipeline_gather_once)."""
     return self.gather_once and self.gathers_params and self.stages > 1 and not self.backward_in_loop
 
 
@@ -1043,7 +1043,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # through the step (gpipe and circular, 4 stages x 2-way ZeRO-3, bench.studies.pipeline
   # --gather_once, XLA:CPU: 7b +6.03 GiB compiled at every M from 4 to 32, the stage's fp32 layer
   # weights; 100m +139 to +152 MiB, half as much again, which this leaves out: -3.7 to -4.0 %).
-  whole_stage = (stage_layers * p * gathered(cfg, shape) / shape.tensor
+  # A frozen base (LoRA, QLoRA) is gathered in its stored bytes (not measured).
+  stored_per_param = p if frozen is None else frozen.base_bytes / cfg.num_params
+  whole_stage = (stage_layers * stored_per_param * gathered(cfg, shape) / shape.tensor
                  if shape.stage_whole else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without

@@ -7,7 +7,7 @@ in context the hint does nothing, so the model runs unchanged on one device.
 import math
 
 import jax
-from flax import linen
+from flax import linen, nnx
 from jax.sharding import PartitionSpec
 
 
@@ -26,3 +26,11 @@ def shards(axis: str) -> int:
   part = mesh_spec((axis,))[0]
   names = (part,) if isinstance(part, str) else tuple(part or ())
   return math.prod(mesh.shape[name] for name in names if name in mesh.shape)
+
+
+def logical_specs(state):
+  """The logical axes of an nnx State's variables, as PartitionSpecs of names. (nnx's own
+  `get_partition_spec` maps them through the rules in context: inside a traced step, where the
+  layout's activation rules are, it gives mesh names instead.)"""
+  with linen.logical_axis_rules(()):
+    return nnx.get_partition_spec(state)

@@ -21,7 +21,7 @@ from models import lora
 from models.config import ModelConfig
 from models.context import from_zigzag, sequence_shards, to_zigzag, zigzag_order
 from models.dense import AdapterCall, Dense, logical_param
-from models.hints import constrain
+from models.hints import constrain, logical_specs
 from models.layers import Block, make_norm, rope_tables
 from models.loss import head_gradient_rounded, token_losses
 from precision.policy import Policy
@@ -186,13 +186,13 @@ class Transformer(nnx.Module):
     if self.positions is not None:
       embed_axes['positions'] = PartitionSpec(*self.positions.out_sharding)
     head_axes = (table_axes if self.cfg.tie_embeddings
-                 else nnx.get_partition_spec(nnx.split(self.head)[1]))
-    tail_axes = {'norm': nnx.get_partition_spec(norm_weights), 'head': head_axes}
+                 else logical_specs(nnx.split(self.head)[1]))
+    tail_axes = {'norm': logical_specs(norm_weights), 'head': head_axes}
     return stack.loss_sum(layer, layers, keys, rows,
                           embed=(embed, self._embed_weights(), embed_rows),
                           tail=(tail, {'norm': norm_weights, 'head': self._head_weights()}),
                           targets=targets,
-                          axes=(nnx.get_partition_spec(layers), embed_axes, tail_axes))
+                          axes=(logical_specs(layers), embed_axes, tail_axes))
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *,
              segments: jax.Array | None = None, dropout_key: jax.Array | None = None,

@@ -32,6 +32,7 @@ from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
 from parallel.rules import REPLICATED
+from parallel.sharding import logical_axes
 from parallel.zero_bubble import ZeroBubbleTables, zb_h1
 
 STAGE_AXIS = 'stage'
@@ -258,8 +259,8 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
 
   `gather_once` (ZeRO-3, `parallel.pipeline_gather_once`): each stage's weights are gathered whole
   over `fsdp` once per step, before the loop, as 1F1B's are, instead of inside it at every
-  iteration; their gradients are then summed whole over the loop and reduce-scattered once after
-  it. A device holds its stage's weights and their gradient sum whole over `fsdp` for the step."""
+  iteration, and held whole through the step. (Their gradients are left to XLA: the compiled
+  memory grows by the weights alone, so the gradient sum stays in shards.)"""
   P, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   moves = {k: jnp.asarray(v) for k, v in schedule.moves().items()}
 
@@ -270,7 +271,7 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
     leaves, tree = jax.tree.flatten(layers)
     places = whole_on_stages(layers) if gather_once else [on_stages] * len(leaves)
     stage_layers = tree.unflatten([place(by_stage(a, P, R, chunk))
-                                   for a, place in zip(leaves, places)])
+                                   for a, place in zip(leaves, places, strict=True)])
     stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
     if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
       stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
@@ -348,12 +349,11 @@ def on_stages(a: jax.Array) -> jax.Array:
 def whole_on_stages(layers) -> list:
   """Per leaf of `layers` (the stacked weights, an nnx State), what places its [P, R, chunk, ...]
   form on the stages whole over `fsdp`: its other axes (`tensor`) split as the layout splits them."""
-  def place(logical):
-    spec = logical_to_mesh_axes(logical, REPLICATED)
+  def place(variable):
+    spec = logical_to_mesh_axes(logical_axes(variable), REPLICATED)
     return lambda a: jax.lax.with_sharding_constraint(
         a, PartitionSpec(STAGE_AXIS, None, None, *spec[1:]))
-  return [place(logical) for logical in jax.tree.leaves(
-      nnx.get_partition_spec(layers), is_leaf=lambda x: isinstance(x, PartitionSpec))]
+  return [place(v) for v in jax.tree.leaves(layers, is_leaf=lambda x: isinstance(x, nnx.Variable))]
 
 
 def scan_chunk(layer, weights, x, keys, rows, unroll: bool = False):

@@ -246,6 +246,20 @@ def test_zero3_under_1f1b_or_gathered_once_gathers_each_stages_weights_once_per_
   assert gpipe[1] > 2 * once[1] and gpipe[1] > 2 * gpipe_once[1]  # GPipe gathers at every iteration
 
 
+@pytest.mark.parametrize('schedule, overrides', [
+    ('1f1b', {}), ('gpipe', {'parallel.pipeline_gather_once': True})])
+def test_weights_gathered_once_keep_their_tensor_split(schedule, overrides):
+  """A stage's ZeRO-3 weights gathered once are whole over `fsdp` only: with 2-way tensor
+  parallelism beside it, each device gathers its tensor half of them, not the whole weights
+  (against the same mesh with a data axis in place of the tensor one)."""
+  def gathered(mesh):
+    s = run.setup(config(16, mesh=mesh, **{'parallel.pipeline_schedule': schedule, **overrides}))
+    return run.memory_report(s, run.compile_train_step(s))['collectives_per_step']['all-gather']['bytes']
+  tensor = gathered(dict(stage=2, data=1, fsdp=2, tensor=2))
+  data = gathered(dict(stage=2, data=2, fsdp=2, tensor=1))
+  assert tensor < 0.75 * data, (tensor, data)
+
+
 def test_the_dry_run_reports_the_compiled_schedule():
   s = run.setup(config(8))
   compiled = run.compile_train_step(s)
@@ -309,10 +323,10 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
     ({'precision': 'bf16_mixed', 'quant.mode': 'fp8', 'quant.fp8_scaling': 'delayed'},
      'quant.fp8_scaling=delayed with mesh.stage > 1'),
     ({'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_gather_once': True},
-     "parallel.pipeline_gather_once=True with parallel.pipeline_schedule='1f1b' and "
-     "parallel.zero_stage=3"),
+     "parallel.pipeline_gather_once=True with parallel.pipeline_schedule='1f1b': that schedule "
+     "always gathers"),
     ({'parallel.zero_stage': 2, 'parallel.pipeline_gather_once': True},
-     'below ZeRO-3 the weights are whole already'),
+     'parallel.pipeline_gather_once=True with parallel.zero_stage=2: below ZeRO-3'),
 ])
 def test_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
   with pytest.raises(checks.ConfigError, match=re.escape(message)) as e:

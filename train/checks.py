@@ -252,13 +252,14 @@ def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSch
                              train.batch_size // (data_parallel * train.microbatches))
   if refused:
     raise ConfigError(refused)
-  if parallel.get('pipeline_gather_once', False) and (schedule.backward_in_loop
-                                                      or parallel.zero_stage != 3):
-    raise ConfigError(
-        f'parallel.pipeline_gather_once=True with parallel.pipeline_schedule='
-        f'{schedule.name!r} and parallel.zero_stage={parallel.zero_stage}: it gathers ZeRO-3\'s '
-        'sharded weights once per step under gpipe or circular (zero_stage=3); 1f1b, '
-        'interleaved_1f1b and zb_h1 always do, and below ZeRO-3 the weights are whole already')
+  if parallel.get('pipeline_gather_once', False) and schedule.backward_in_loop:
+    raise ConfigError(f'parallel.pipeline_gather_once=True with parallel.pipeline_schedule='
+                      f'{schedule.name!r}: that schedule always gathers ZeRO-3\'s weights once per '
+                      'step; the switch is for gpipe and circular (leave it False)')
+  if parallel.get('pipeline_gather_once', False) and parallel.zero_stage != 3:
+    raise ConfigError(f'parallel.pipeline_gather_once=True with parallel.zero_stage='
+                      f'{parallel.zero_stage}: below ZeRO-3 the weights are whole already; it '
+                      'gathers ZeRO-3\'s (set parallel.zero_stage=3, or leave it False)')
   if MatmulRecipe.from_config(config.quant).delayed_scaling:
     raise ConfigError('quant.fp8_scaling=delayed with mesh.stage > 1: a pipeline runs each layer '
                       'once per microbatch and on bubble inputs, which its amax history would '
