@@ -238,8 +238,10 @@ def test_zero3_under_1f1b_or_gathered_once_gathers_each_stages_weights_once_per_
   """1F1B gathers a stage's ZeRO-3 weights before its loop; GPipe at every iteration, unless
   parallel.pipeline_gather_once: then once, as 1F1B does."""
   def gathered(schedule, **overrides):
-    return [_compiled(schedule, m, **overrides)['collectives_per_step']['all-gather']['bytes']
-            for m in (4, 16)]
+    reports = [_compiled(schedule, m, **overrides) for m in (4, 16)]
+    assert all(r['pipeline']['gathered_once'] == (schedule == '1f1b' or bool(overrides))
+               for r in reports)   # as memory.json says
+    return [r['collectives_per_step']['all-gather']['bytes'] for r in reports]
   once, gpipe = gathered('1f1b'), gathered('gpipe')
   gpipe_once = gathered('gpipe', **{'parallel.pipeline_gather_once': True})
   assert once[0] == once[1] and gpipe_once[0] == gpipe_once[1]   # whatever the microbatches

@@ -102,6 +102,8 @@ def main(argv):
                'estimate_parts': memory['estimate_bytes'],
                'collective_permute': collectives['collective-permute'],
                'all_to_all': collectives['all-to-all'], 'all_gather': collectives['all-gather'],
+               'reduce_scatter': collectives['reduce-scatter'],
+               'all_reduce': collectives['all-reduce'],
                'mesh': memory['mesh']}
         rows.append(row)
         permute = row['collective_permute']
