@@ -184,10 +184,16 @@ class StepShape:
     return self.sharded('params') and self.fsdp > 1
 
   @property
+  def gathers_once(self) -> bool:
+    """ZeRO-3's weights of a pipeline stage gathered once per step, before its loop: always under
+    the 1f1b schedules, under gpipe and circular with parallel.pipeline_gather_once."""
+    return self.gathers_params and self.stages > 1 and (self.backward_in_loop or self.gather_once)
+
+  @property
   def stage_whole(self) -> bool:
     """A gpipe or circular stage's layer weights gathered whole once per step, before its loop
     (parallel.pipeline_gather_once)."""
-    return self.gather_once and self.gathers_params and self.stages > 1 and not self.backward_in_loop
+    return self.gathers_once and not self.backward_in_loop
 
 
 def on_gpu(shape: 'StepShape') -> bool:

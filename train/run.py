@@ -199,11 +199,8 @@ def memory_report(s: Setup, compiled) -> dict:
       'collectives_per_step': collectives,
   }
   if s.pipeline is not None:
-    # Whether a stage's ZeRO-3 weights are gathered once per step, before the loop (always
-    # under the 1f1b schedules; gpipe and circular with parallel.pipeline_gather_once).
-    once = s.pipeline.backward_in_loop or s.config.parallel.get('pipeline_gather_once', False)
     report['pipeline'] = {**s.pipeline.report(s.model.num_layers, collectives),
-                          'gathered_once': bool(once and s.config.parallel.zero_stage == 3)}
+                          'gathered_once': step_shape(s).gathers_once}
   local = len(s.mesh.local_devices)
   if host_bytes['total']:   # state in host memory (parallel.offload_*): per device, and per host
     report['host_bytes'] = {**host_bytes, 'per_host': host_bytes['total'] * local}
