@@ -112,7 +112,8 @@ from models.config import ModelConfig
 from models.llama import Transformer
 from models.loss import head_gradient_rounded
 from parallel.pipeline import BACKWARD_IN_LOOP
-from parallel.rules import PADDED_AXES, layout_rules, mesh_axes, zero_shards
+from parallel.stage_layers import LayerSplit
+from parallel.rules import ZERO_AXES, layout_rules, mesh_axes, zero_shards
 from parallel.sharding import logical_axes
 from precision.policy import Policy, get_policy
 
@@ -138,6 +139,7 @@ class StepShape:
   repeats: int = 1       # layer chunks per stage (circular schedule)
   schedule: str = 'gpipe'   # parallel.pipeline_schedule: 1f1b ones run the backward in the loop
   gather_once: bool = False   # gpipe, circular: ZeRO-3's weights gathered before the loop
+  chunk_layers: tuple[int, ...] = ()   # parallel.pipeline_stage_layers (): the default split
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
@@ -154,11 +156,33 @@ class StepShape:
     """Iterations of the pipeline loop (parallel/pipeline.py); 1 without a pipeline."""
     return self.pipeline_microbatches * self.repeats + self.stages - 1
 
+  def layer_split(self, cfg: ModelConfig) -> LayerSplit:
+    """Which layers each pipeline chunk runs (parallel/stage_layers.py)."""
+    return LayerSplit.of(cfg.num_layers, self.stages, self.repeats, self.chunk_layers)
+
+  def stage_layers(self, cfg: ModelConfig) -> int:
+    """Layer slots a stage runs: its chunks', each as deep as the deepest chunk (num_layers /
+    stages for an even split; num_layers without a pipeline)."""
+    return self.repeats * self.layer_split(cfg).depth
+
+  def layer_runs(self, cfg: ModelConfig) -> float:
+    """Layer applications a stage keeps the activations of, per token of a microbatch: in a
+    pipeline its chunk's slots at every iteration on 1/M of the rows, bubble included (gpipe)."""
+    return (self.layer_split(cfg).depth * self.pipeline_iterations / self.pipeline_microbatches
+            if self.stages > 1 else cfg.num_layers)
+
+  @property
+  def takes_layers(self) -> bool:
+    """A split of the layers other than their storage's blocks: each chunk's layers are taken out
+    of the stored stack once per step (a gather across stages)."""
+    return self.stages > 1 and bool(self.chunk_layers) and not LayerSplit(
+        self.chunk_layers, self.stages, self.repeats).blocks
+
   def stage_params(self, cfg: ModelConfig) -> float:
-    """Parameters one pipeline stage holds: the layers are split over the stages, the
-    embedding, head and final norm are on every stage."""
+    """Parameters one pipeline stage holds: the layers are stored over the stages in blocks of
+    ceil(num_layers / stages), the embedding, head and final norm are on every stage."""
     layers = cfg.num_layers * cfg.params_per_layer
-    return cfg.num_params - layers + layers / self.stages
+    return cfg.num_params - layers + -(-cfg.num_layers // self.stages) * cfg.params_per_layer
 
   def sharded(self, part: str) -> bool:
     """Whether `part` of the state ('params', 'grads', 'optimizer') is split over `fsdp`."""
@@ -366,7 +390,7 @@ def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
   spec_of = lambda axes: logical_to_mesh_axes(axes, layout_rules(3).params)
   stored = values = 0
   for dims, axes in _param_tensors(cfg):
-    padded = [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(PADDED_AXES) else n
+    padded = [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(ZERO_AXES) else n
               for n, part in zip(dims, tuple(spec_of(axes)) + (None,) * len(dims))]
     stored += math.prod(padded)
     values += math.prod(dims)
@@ -431,16 +455,14 @@ def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
   (gpipe); circular keeps less (below)."""
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
-  runs = shape.pipeline_iterations / (shape.pipeline_microbatches * shape.repeats * shape.stages)
   if shape.repeats > 1:
     # Circular: a chunk's forward is recomputed in the backward pass, so each iteration keeps only
     # its input (a d_model row per token), and one chunk's saved activations exist at a time.
     c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
-    chunk_layers = cfg.num_layers / (shape.stages * shape.repeats)
     per_iteration = shape.tokens / shape.pipeline_microbatches
     return per_iteration * (shape.pipeline_iterations * cfg.d_model * c
-                            + chunk_layers * sum(saved.values()))
-  return shape.tokens * cfg.num_layers * runs * sum(saved.values())
+                            + shape.layer_split(cfg).depth * sum(saved.values()))
+  return shape.tokens * shape.layer_runs(cfg) * sum(saved.values())
 
 
 def pipeline_ring_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -588,8 +610,7 @@ def stack_convert_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   mlp = cfg.mlp_dim / shape.tensor
   rows = {'none': (cfg.d_model, q, mlp), 'dots': (cfg.d_model, q, mlp),
           'qkv': (cfg.d_model, q), 'full': (cfg.d_model,)}[cfg.remat]
-  runs = shape.pipeline_iterations / (shape.pipeline_microbatches * shape.stages)
-  return shape.tokens * cfg.num_layers * runs * max(rows) * policy.compute_bytes
+  return shape.tokens * shape.layer_runs(cfg) * max(rows) * policy.compute_bytes
 
 
 def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -601,7 +622,7 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   forward pass saved for the backward."""
   if not upcasts(policy, shape.backend):
     return 0
-  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
+  weights = shape.stage_layers(cfg) * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   if policy.param_bytes < FP32 and not shape.gathers_params and shape.tensor == 1:
     return weights * FP32
   if cfg.remat == 'none':
@@ -618,7 +639,7 @@ def cpu_shard_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
   if (not upcasts(policy, shape.backend) or policy.param_bytes >= FP32
       or not shape.gathers_params or shape.tensor > 1):
     return 0
-  weights = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.stages
+  weights = shape.stage_layers(cfg) * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   return weights * FP32 / shards(cfg, shape, 'params')
 
 
@@ -721,7 +742,7 @@ def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
   if shape.stages == 1 or cfg.remat != 'none':
     return 0
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', shape.backend)
-  layers = cfg.num_layers / (shape.stages * shape.repeats)
+  layers = shape.layer_split(cfg).depth
   return shape.tokens / shape.pipeline_microbatches * layers * saved['mlp']
 
 
@@ -742,7 +763,7 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   row = micro.tokens * cfg.d_model * c
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
-  chunk_layers = cfg.num_layers / (P * R)
+  chunk_layers = shape.layer_split(cfg).depth
   layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
   # Without remat the chunk's backward is straight-line code and frees each layer's saved
   # activations as it passes it: at the last layer's backward, the others' are held (100m,
@@ -781,7 +802,7 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   row = micro.tokens * cfg.d_model * policy.compute_bytes
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
-  item = micro.tokens * cfg.num_layers / P * sum(saved.values())
+  item = micro.tokens * shape.stage_layers(cfg) * sum(saved.values())
   layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
   tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
   activations = slots * item + (2 * slots + 4) * row + max(layer['activations'], tail)
@@ -795,7 +816,7 @@ def loop_weights(cfg: ModelConfig, policy: Policy, shape: StepShape,
   parameters of a stage's layers, the trained fraction, the embedding's and head's gradient sums
   on every stage, under ZeRO-3 the stage's weights and vocabulary tables whole over `fsdp`)."""
   p = policy.param_bytes
-  stage_weights = (cfg.num_layers / shape.stages
+  stage_weights = (shape.stage_layers(cfg)
                    * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer))
   trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
   vocab_tables = cfg.embedding_params * (1 + int(not cfg.tie_embeddings))
@@ -811,7 +832,7 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
   that forward and holds them through its backward (unless the stage's are whole already)."""
   if shape.repeats == 1 or not shape.gathers_params or shape.stage_whole:
     return 0
-  layers = cfg.num_layers / (shape.stages * shape.repeats)
+  layers = shape.layer_split(cfg).depth
   return layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
       FP32 if upcasts(policy, shape.backend) else policy.param_bytes) * gathered(cfg, shape)
 
@@ -857,7 +878,7 @@ def gathered_one_at_a_time(cfg: ModelConfig, policy: Policy, shape: StepShape) -
   six fp32 MLP shards at the peak, 128.4 and 77.3 GiB of temp)."""
   if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
     return 0
-  layers = cfg.num_layers / shape.stages
+  layers = shape.stage_layers(cfg)
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
   return largest + layers * cfg.mlp_params_per_layer * policy.param_bytes / shards(cfg, shape, 'optimizer')
 
@@ -881,7 +902,7 @@ def transposed_gradient(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   5.4 and 70 GiB). ZeRO-2 reduce-scatters each layer's gradients inside the loop instead."""
   if not on_gpu(shape) or not shape.sharded('optimizer') or shape.sharded('grads') or shape.fsdp == 1:
     return 0
-  return cfg.num_layers / shape.stages * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
+  return shape.stage_layers(cfg) * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
 
 
 def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -894,7 +915,7 @@ def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
   if not on_gpu(shape) or not shape.sharded('params') or shape.fsdp == 1 or frozen is not None:
     return 0
   q = cfg.num_heads * cfg.head_dim
-  return (cfg.num_layers / shape.stages * (cfg.mlp_dim + q) * cfg.d_model * policy.param_bytes
+  return (shape.stage_layers(cfg) * (cfg.mlp_dim + q) * cfg.d_model * policy.param_bytes
           / (shape.fsdp * shape.tensor))
 
 
@@ -1042,7 +1063,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
-  stage_layers = cfg.num_layers / shape.stages * cfg.params_per_layer
+  stage_layers = shape.stage_layers(cfg) * cfg.params_per_layer
   pipeline_grads = (stage_layers * p / shards(cfg, shape, 'grads')
                     if shape.stages > 1 and frozen is None else 0)
   # parallel.pipeline_gather_once: the stage's weights gathered whole before the loop and held
@@ -1053,6 +1074,13 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stored_per_param = p if frozen is None else frozen.base_bytes / cfg.num_params
   whole_stage = (stage_layers * stored_per_param * gathered(cfg, shape) / shape.tensor
                  if shape.stage_whole else 0)
+  # parallel.pipeline_stage_layers other than the storage's blocks: gpipe and circular take the
+  # chunks' layers out of the stored stack whole over `fsdp`, and put their gradients back the
+  # same way (1b, 15 layers as 3,4,4,4 on 4 stages x 2-way ZeRO-3, XLA:CPU: +1.74 GiB against
+  # 4,4,4,3, two sets of the stage's fp32 layer weights at 1.81; the 1f1b schedules take them
+  # with their once-per-step gather, no more memory).
+  taken = (2 * stage_layers * p / shape.tensor
+           if shape.takes_layers and not shape.backward_in_loop and not shape.stage_whole else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).
@@ -1081,7 +1109,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   quantized = frozen is not None and frozen.quantized
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
-  common = microbatch_grads + copies + pipeline_grads + whole_stage
+  common = microbatch_grads + copies + pipeline_grads + whole_stage + taken
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
   # for its recomputed forward and, pipelined into the backward loop, for its backward (1b ZeRO-3
   # on 8 and 512 H100s, bench.buffers --target: two to three layers' matrices in flight at the

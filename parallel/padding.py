@@ -1,9 +1,9 @@
 """Uneven shards: stored arrays padded to a multiple of the mesh axes that split them.
 
 JAX places an array only where its mesh axes divide every dimension they split, so 100m's
-d_model of 768 cannot be split over 512 devices as it is. Where the ZeRO axis (`fsdp`,
-parallel/rules.py:PADDED_AXES) does not divide a dimension of a stored array (parameters under
-ZeRO-3, optimizer moments from ZeRO-1, a frozen base under ZeRO-3), the array is stored with that
+d_model of 768 cannot be split over 512 devices as it is. Where a padded axis (the ZeRO axes and
+`stage`, parallel/rules.py:PADDED_AXES) does not divide a dimension of a stored array (parameters
+under ZeRO-3, optimizer moments from ZeRO-1, a frozen base under ZeRO-3), the array is stored with that
 dimension padded at its end to the next multiple: ceil(n / k) values per device, the last devices'
 shards partly or wholly padding (as PyTorch FSDP2 pads each parameter's last shard). Only what
 crosses a program's edge (the state that is stored, donated, checkpointed) is padded. Inside a
@@ -13,8 +13,10 @@ the padding off at the start of a step and putting zeros back at its end moves n
 devices. The padding holds zeros: it is never read by the model, so it gets zero gradients, zero
 moments and zero updates.
 
-Model-parallel axes (`tensor`, `stage`) split computation, not only storage; a dimension they do
-not divide is refused (parallel/sharding.py:check_divisible).
+`stage` splits only the stored `layers` axis (a pipeline takes each chunk's layers out of it:
+parallel/stage_layers.py), so 7 layers on 4 stages are stored as 8, the last a layer of zeros that
+no chunk runs. `tensor` splits computation, not only storage; a dimension it does not divide is
+refused (parallel/sharding.py:check_divisible).
 """
 import dataclasses
 import math

@@ -19,7 +19,9 @@ computes them on the whole batch, outside the pipeline.
 The weights stay stored in model order on a `[num_layers]` axis (checkpoints do not depend on the
 layout); that axis is split over `stage` in contiguous blocks, which is GPipe's placement. The
 circular schedule needs chunk c on stage c mod stages, so it re-lays the stacked weights out once
-per step (an all-to-all of each stage's weights, and of their gradients in the backward).
+per step (an all-to-all of each stage's weights, and of their gradients in the backward); so does
+a split of the layers other than the even one (parallel/stage_layers.py: any layer count on any
+stage count).
 """
 import dataclasses
 import functools
@@ -33,6 +35,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.rules import REPLICATED
 from parallel.sharding import logical_axes
+from parallel.stage_layers import LayerSplit
 from parallel.zero_bubble import ZeroBubbleTables, zb_h1
 
 STAGE_AXIS = 'stage'
@@ -49,6 +52,11 @@ class PipelineSchedule:
   stages: int         # P: the `stage` mesh axis
   microbatches: int   # M: per step (per gradient-accumulation microbatch)
   repeats: int = 1    # R: chunks per stage (1 for gpipe and 1f1b)
+  chunk_layers: tuple[int, ...] = ()   # layers per chunk in model order; (): as even as they go
+
+  def layer_split(self, num_layers: int) -> LayerSplit:
+    """Which layers each chunk runs (parallel/stage_layers.py)."""
+    return LayerSplit.of(num_layers, self.stages, self.repeats, self.chunk_layers)
 
   @property
   def backward_in_loop(self) -> bool:
@@ -195,9 +203,11 @@ class PipelineSchedule:
     reads, beside GPipe's formula (P - 1) / (M R + P - 1)) and the step's collective-permutes
     (`collectives`: parallel.collectives.collective_stats of the compiled step)."""
     P, M, R = self.stages, self.microbatches, self.repeats
+    split = self.layer_split(num_layers)
     return {
         'schedule': self.name, 'stages': P, 'repeats': R, 'microbatches': M,
-        'layers_per_stage': num_layers // P, 'iterations': self.iterations,
+        'layers_per_stage': list(split.stage_layers), 'chunk_layers': list(split.counts),
+        'iterations': self.iterations,
         'bubble_fraction': self.bubble_fraction,
         'bubble_formula': (P - 1) / (M * R + P - 1),
         # Every stage runs the same program: under gpipe and circular each keeps the activations
@@ -207,9 +217,6 @@ class PipelineSchedule:
         'saved_iterations_per_stage': self.in_flight if self.backward_in_loop else self.iterations,
         'collective_permute': collectives['collective-permute'],
     }
-
-  def layers_per_chunk(self, num_layers: int) -> int:
-    return num_layers // (self.stages * self.repeats)
 
   def refusal(self, num_layers: int, rows_per_device: int) -> str | None:
     """One line naming the setting that does not fit, or None. `rows_per_device`: the rows of a
@@ -229,10 +236,6 @@ class PipelineSchedule:
       return (f'parallel.pipeline_microbatches={M} with mesh.stage={P} and '
               f'parallel.pipeline_schedule=interleaved_1f1b; it runs the microbatches in groups '
               f'of {P} (one per stage), so use a multiple of {P}')
-    if num_layers % (P * R):
-      return (f'model.num_layers={num_layers} does not split into mesh.stage={P} x '
-              f'parallel.pipeline_repeats={R} = {P * R} chunks of equal depth; use a divisor of '
-              f'{num_layers}')
     if rows_per_device % M:
       return (f'parallel.pipeline_microbatches={M} does not divide the {rows_per_device} rows each '
               f'data-parallel device runs per gradient-accumulation microbatch; use a divisor of '
@@ -265,17 +268,17 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
   moves = {k: jnp.asarray(v) for k, v in schedule.moves().items()}
 
   def stack(layer, layers, x, keys, rows=None):
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    chunk = schedule.layers_per_chunk(num_layers)
+    split = schedule.layer_split(jax.tree.leaves(layers)[0].shape[0])
 
     leaves, tree = jax.tree.flatten(layers)
     places = whole_on_stages(layers) if gather_once else [on_stages] * len(leaves)
-    stage_layers = tree.unflatten([place(by_stage(a, P, R, chunk))
+    stage_layers = tree.unflatten([place(split.take(a))
                                    for a, place in zip(leaves, places, strict=True)])
-    stage_keys = None if keys is None else by_stage(keys, P, R, chunk)
+    stage_keys = None if keys is None else split.take(keys)
+    stage_valid = split.valid()   # None: every chunk as deep as the others
     if R == 1:   # one chunk per stage: the loop reads loop-invariant weights, nothing is picked
-      stage_layers = jax.tree.map(lambda a: a[:, 0], stage_layers)
-      stage_keys = None if keys is None else stage_keys[:, 0]
+      stage_layers, stage_keys, stage_valid = jax.tree.map(
+          lambda a: a[:, 0], (stage_layers, stage_keys, stage_valid))
     micro = split_rows(x, M)   # [M, rows / M, ...]: round robin, as the devices hold them
     micro_rows = jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), rows)   # read per stage
     # Every stage has its own ring with its own copy of the batch (each device held the batch
@@ -284,15 +287,14 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
     ring = jnp.concatenate([micro, jnp.zeros((M + 1,) + micro.shape[1:], micro.dtype)])
     ring = jnp.broadcast_to(ring, (P,) + ring.shape)
 
-    def run_chunk(weights, keys, held, chunk_index, microbatch):
+    def run_chunk(weights, keys, valid, held, chunk_index, microbatch):
       """The chunk of layers the item is at (one of the stage's `repeats`)."""
       if R > 1:
-        weights = jax.tree.map(lambda w: w[chunk_index], weights)
-        keys = None if keys is None else keys[chunk_index]
+        weights, keys, valid = jax.tree.map(lambda w: w[chunk_index], (weights, keys, valid))
       if keys is not None:   # a dropout mask per layer and microbatch
         keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys)
       rows = jax.tree.map(lambda a: a[microbatch], micro_rows)
-      return scan_chunk(layer, weights, held, keys, rows)
+      return scan_chunk(layer, weights, held, keys, rows, valid=valid)
 
     if R > 1:
       # The chunk's weights are picked per iteration; the backward pass would keep that pick,
@@ -301,20 +303,21 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
       run_chunk = jax.checkpoint(run_chunk, policy=jax.checkpoint_policies.nothing_saveable,
                                  prevent_cse=False)
 
-    def stage_step(weights, keys, ring, held, write, read, chunk_index, microbatch):
+    def stage_step(weights, keys, valid, ring, held, write, read, chunk_index, microbatch):
       """One stage at one iteration: file the activation held, take the one to work on, run it
       through the chunk of layers its item is at."""
       ring = jax.lax.dynamic_update_index_in_dim(ring, held, write, 0)
       held = ring[read]
-      return run_chunk(weights, keys, held, chunk_index, microbatch), ring
+      return run_chunk(weights, keys, valid, held, chunk_index, microbatch), ring
 
-    run_stages = jax.vmap(stage_step, in_axes=(0, None if keys is None else 0, 0, 0, 0, 0, 0, 0),
-                          spmd_axis_name=STAGE_AXIS)
+    mapped = lambda a: None if a is None else 0
+    run_stages = jax.vmap(stage_step, in_axes=(0, mapped(keys), mapped(stage_valid), 0, 0, 0, 0,
+                                               0, 0), spmd_axis_name=STAGE_AXIS)
 
     def iteration(carry, move):
       held, ring = carry
-      held, ring = run_stages(stage_layers, stage_keys, ring, held, move['write'], move['read'],
-                              move['chunk'], move['microbatch'])
+      held, ring = run_stages(stage_layers, stage_keys, stage_valid, ring, held, move['write'],
+                              move['read'], move['chunk'], move['microbatch'])
       return (jnp.roll(held, 1, axis=0), ring), None   # every activation one stage on
 
     held = jnp.zeros((P,) + micro.shape[1:], micro.dtype)
@@ -326,17 +329,6 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
     return join_rows(outputs)
 
   return stack
-
-
-def by_stage(a: jax.Array, stages: int, repeats: int, chunk: int) -> jax.Array:
-  """[L, ...] -> [P, R, chunk, ...]: chunk r * P + p of the model on stage p."""
-  return a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
-
-
-def from_stages(a: jax.Array) -> jax.Array:
-  """`by_stage`'s inverse: [P, R, chunk, ...] -> [L, ...] in model order."""
-  a = a.swapaxes(0, 1)
-  return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
 
 
 def on_stages(a: jax.Array) -> jax.Array:
@@ -356,12 +348,14 @@ def whole_on_stages(layers) -> list:
   return [place(v) for v in jax.tree.leaves(layers, is_leaf=lambda x: isinstance(x, nnx.Variable))]
 
 
-def scan_chunk(layer, weights, x, keys, rows, unroll: bool = False):
-  """A chunk's layers one after another (`unroll`: as straight-line code, no loop)."""
+def scan_chunk(layer, weights, x, keys, rows, unroll: bool = False, valid=None):
+  """A chunk's layers one after another (`unroll`: as straight-line code, no loop); `valid`
+  [chunk] bool: a slot where it is False passes its input through (parallel/stage_layers.py)."""
   def body(x, inputs):
-    params, key = inputs
-    return layer(x, params, key, rows), None
-  return jax.lax.scan(body, x, (weights, keys), unroll=unroll)[0]
+    params, key, runs = inputs
+    y = layer(x, params, key, rows)
+    return (y if runs is None else jnp.where(runs, y, x)), None
+  return jax.lax.scan(body, x, (weights, keys, valid), unroll=unroll)[0]
 
 
 def split_rows(x: jax.Array, parts: int) -> jax.Array:

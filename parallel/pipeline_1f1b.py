@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
-from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, by_stage, from_stages, on_stages,
-                               pipelined, scan_chunk, split_rows)
+from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, on_stages, pipelined, scan_chunk,
+                               split_rows)
 from parallel.rules import REPLICATED, LayoutRules
 
 
@@ -166,6 +166,7 @@ class _Loop:
   tail_weights: _Trained
   stage_leaves: list          # the stacked weights' leaves, [stages, repeats, chunk, ...] each
   stage_keys: Any             # dropout keys the same way, or None
+  stage_valid: Any            # [stages, repeats, chunk] bool: the slots that run a layer, or None
   micro_rows: Any             # per-row inputs of the blocks, [microbatches, rows, ...]
   micro_embed_rows: Any       # what the embedding reads, the same way
   micro_targets: Any
@@ -179,27 +180,31 @@ class _Loop:
     """One chunk of a stage's [repeats, chunk, ...]."""
     return a[0] if self.schedule.repeats == 1 else a[index]
 
-  def chunk_of(self, weight_leaves, stage_keys, index, microbatch):
-    """(the chunk's weights, its dropout keys, its microbatch's per-row inputs)."""
+  def chunk_of(self, weight_leaves, stage_keys, valid, index, microbatch):
+    """(the chunk's weights, its dropout keys, its microbatch's per-row inputs, its slots that run
+    a layer)."""
     picked = [self.pick(a, index) for a in weight_leaves]
     chunk_keys = None
     if stage_keys is not None:   # a dropout mask per layer and microbatch
       chunk_keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(
           self.pick(stage_keys, index))
-    return picked, chunk_keys, _take(self.micro_rows, microbatch)
+    valid = None if valid is None else self.pick(valid, index)
+    return picked, chunk_keys, _take(self.micro_rows, microbatch), valid
 
-  def chunk_forward(self, weight_leaves, stage_keys, index, microbatch, held):
-    picked, chunk_keys, rows_now = self.chunk_of(weight_leaves, stage_keys, index, microbatch)
+  def chunk_forward(self, weight_leaves, stage_keys, valid, index, microbatch, held):
+    picked, chunk_keys, rows_now, valid = self.chunk_of(weight_leaves, stage_keys, valid, index,
+                                                        microbatch)
     return scan_chunk(self.layer, jax.tree.unflatten(self.layers.treedef, picked), held,
-                      chunk_keys, rows_now, unroll=True)
+                      chunk_keys, rows_now, unroll=True, valid=valid)
 
-  def chunk_backward(self, weight_leaves, stage_keys, index, microbatch, held, cotangent):
+  def chunk_backward(self, weight_leaves, stage_keys, valid, index, microbatch, held, cotangent):
     """(the gradients of the chunk's trained weights, [chunk, ...] each; of its input)."""
-    picked, chunk_keys, rows_now = self.chunk_of(weight_leaves, stage_keys, index, microbatch)
+    picked, chunk_keys, rows_now, valid = self.chunk_of(weight_leaves, stage_keys, valid, index,
+                                                        microbatch)
 
     def apply(trained, held):
       return scan_chunk(self.layer, self.layers.with_trained(trained, picked), held, chunk_keys,
-                        rows_now, unroll=not self.rolled_backward)
+                        rows_now, unroll=not self.rolled_backward, valid=valid)
     return jax.vjp(apply, self.layers.trained(picked), held)[1](cotangent)
 
   def embed_of(self, microbatch):
@@ -211,7 +216,7 @@ class _Loop:
     return lambda trained, y: self.tail(self.tail_weights.with_trained(trained), y, targets_now,
                                         microbatch)
 
-  def forward_slot(self, weight_leaves, stage_keys, carry, t):
+  def forward_slot(self, weight_leaves, stage_keys, valid, carry, t):
     """The first stage embeds the item's microbatch (every stage computes it; one keeps it); the
     chunk's input is kept for its backward slot, and the chunk runs. Returns its output."""
     first = self.embed_of(t['f_micro'])(self.embed_weights.trained())
@@ -219,7 +224,7 @@ class _Loop:
     kept = carry['kept']
     carry['kept'] = jax.lax.dynamic_update_index_in_dim(
         kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
-    return self.chunk_forward(weight_leaves, stage_keys, t['f_chunk'], t['f_micro'], held)
+    return self.chunk_forward(weight_leaves, stage_keys, valid, t['f_chunk'], t['f_micro'], held)
 
   def loss_slot(self, carry, t, out, cotangent):
     """An item leaving its last chunk: its loss, the head's gradient, and the cotangent its
@@ -230,11 +235,11 @@ class _Loop:
     carry['tail_grads'] = _added(carry['tail_grads'], d_tail, t['f_last'], self.place_grads[2])
     return jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
 
-  def backward_slot(self, weight_leaves, stage_keys, carry, t, cotangent):
+  def backward_slot(self, weight_leaves, stage_keys, valid, carry, t, cotangent):
     """The chunk's vjp from its kept input; its weights' gradient added to its chunk's sum, the
     embedding's on the first stage. Returns the gradient of the chunk's input."""
-    d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, t['b_chunk'], t['b_micro'],
-                                        carry['kept'][t['b_slot']], cotangent)
+    d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, valid, t['b_chunk'],
+                                        t['b_micro'], carry['kept'][t['b_slot']], cotangent)
     grads = []
     for g, d, place in zip(carry['grads'], d_weights, self.place_grads[0]):
       d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
@@ -248,29 +253,31 @@ class _Loop:
                                     self.place_grads[1])
     return dx
 
-  def stage_tick(self, forward, backward, weight_leaves, stage_keys, carry, t):
+  def stage_tick(self, forward, backward, weight_leaves, stage_keys, valid, carry, t):
     """One stage's tick: a forward slot (`forward`), then the head and loss where an item leaves
     the last chunk, then a backward slot (`backward`)."""
     carry = dict(carry)
     out = carry['forward_in']
     if forward:
-      out = self.forward_slot(weight_leaves, stage_keys, carry, t)
+      out = self.forward_slot(weight_leaves, stage_keys, valid, carry, t)
     dx = carry['backward_in']
     if backward:
       cotangent = carry['backward_in']
       if forward:
         cotangent = self.loss_slot(carry, t, out, cotangent)
-      dx = self.backward_slot(weight_leaves, stage_keys, carry, t, cotangent)
+      dx = self.backward_slot(weight_leaves, stage_keys, valid, carry, t, cotangent)
     return carry, out, dx
 
   def phase(self, forward, backward, carry, tables):
     """The ticks of `tables`, every stage at once (a vmap laid on `stage`)."""
+    mapped = lambda a: None if a is None else 0
     run_stages = jax.vmap(
-        lambda w, k, c, t: self.stage_tick(forward, backward, w, k, c, t),
-        in_axes=(0, None if self.stage_keys is None else 0, 0, 0), spmd_axis_name=STAGE_AXIS)
+        lambda w, k, v, c, t: self.stage_tick(forward, backward, w, k, v, c, t),
+        in_axes=(0, mapped(self.stage_keys), mapped(self.stage_valid), 0, 0),
+        spmd_axis_name=STAGE_AXIS)
 
     def tick(carry, t):
-      carry, out, dx = run_stages(self.stage_leaves, self.stage_keys, carry, t)
+      carry, out, dx = run_stages(self.stage_leaves, self.stage_keys, self.stage_valid, carry, t)
       # Every forward output one stage on, every backward one one stage back (round the ring).
       return {**carry, 'forward_in': jnp.roll(out, 1, axis=0),
               'backward_in': jnp.roll(dx, -1, axis=0)}, None
@@ -312,20 +319,20 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
          embed_rows, tail, targets, seed, weights, wanted):
   """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
   False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
-  stages, repeats = schedule.stages, schedule.repeats
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
-  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
+  layer_split = schedule.layer_split(layers.leaves[0].shape[0])
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), schedule.microbatches),
                                     tree)
   loop = _Loop(
       schedule, layer, layers, embed_weights, tail_weights,
       # [stages, repeats, chunk, ...]: chunk r * stages + p of the model on stage p, placed once
       # per step.
-      stage_leaves=[_in_stages(place)(on_stages(by_stage(a, stages, repeats, chunk)))
+      stage_leaves=[_in_stages(place)(on_stages(layer_split.take(a)))
                     for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))],
-      stage_keys=None if keys is None else by_stage(keys, stages, repeats, chunk),
+      stage_keys=None if keys is None else layer_split.take(keys),
+      stage_valid=layer_split.valid(),
       micro_rows=split(rows), micro_embed_rows=split(embed_rows), micro_targets=split(targets),
       embed=embed, tail=tail,
       place_grads=[_Trained(p, want).trained() for p, want in zip(placements[1], wanted)],
@@ -342,6 +349,6 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
   # Each stage's sums of the head's and embedding's gradients (only the last and first stage's
   # are not zero) are added up once, after the loop.
   stage_sum = lambda grads: [g.sum(0) for g in grads]
-  return carry['loss'].sum(), (layers.gradients([from_stages(g) for g in carry['grads']]),
+  return carry['loss'].sum(), (layers.gradients([layer_split.put_back(g) for g in carry['grads']]),
                                embed_weights.gradients(stage_sum(carry['embed_grads'])),
                                tail_weights.gradients(stage_sum(carry['tail_grads'])))

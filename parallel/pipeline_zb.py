@@ -28,7 +28,7 @@ from flax import linen
 from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
-from parallel.pipeline import STAGE_AXIS, by_stage, from_stages, on_stages, scan_chunk, split_rows
+from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _kept, _placed, _take,
                                     _Trained)
 from parallel.rules import REPLICATED
@@ -67,12 +67,13 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   weights = (weights[0], placed_tree(weights[1], placements[2]),
              placed_tree(weights[2], placements[3]))
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
-  chunk = schedule.layers_per_chunk(layers.leaves[0].shape[0])
+  layer_split = schedule.layer_split(layers.leaves[0].shape[0])
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
   # [stages, 1, chunk, ...]: stage p's chunk, placed once per step (ZeRO-3: gathered once).
-  stage_leaves = [_in_stages(place)(on_stages(by_stage(a, P, 1, chunk)))
+  stage_leaves = [_in_stages(place)(on_stages(layer_split.take(a)))
                   for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))]
-  stage_keys = None if keys is None else by_stage(keys, P, 1, chunk)
+  stage_keys = None if keys is None else layer_split.take(keys)
+  stage_valid = layer_split.valid()
   place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
   loop = _Stage(schedule.zero_bubble, layer, layers, embed_weights, tail_weights, embed, tail,
                 place_grads)
@@ -80,14 +81,16 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
   run = jax.shard_map(
       loop.run, axis_names={STAGE_AXIS}, check_vma=False,
-      in_specs=(stage, stage if keys is not None else whole, whole, whole, whole, whole, whole,
+      in_specs=(stage, stage if keys is not None else whole,
+                stage if stage_valid is not None else whole, whole, whole, whole, whole, whole,
                 whole),
       out_specs=(stage, stage, stage, stage))
   loss, grads, embed_grads, tail_grads = run(
-      stage_leaves, stage_keys, embed_weights.trained(), tail_weights.trained(), split(rows),
+      stage_leaves, stage_keys, stage_valid, embed_weights.trained(), tail_weights.trained(),
+      split(rows),
       split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
   stage_sum = lambda grads: [g.sum(0) for g in grads]
-  return loss.sum(), (layers.gradients([from_stages(g) for g in grads]),
+  return loss.sum(), (layers.gradients([layer_split.put_back(g) for g in grads]),
                       embed_weights.gradients(stage_sum(embed_grads)),
                       tail_weights.gradients(stage_sum(tail_grads)))
 
@@ -105,14 +108,15 @@ class _Stage:
   tail: Any            # tail(weights, hidden, targets, microbatch) -> its loss sum
   place_grads: list    # per (layers, embedding, tail): a placement per trained leaf
 
-  def run(self, stage_leaves, stage_keys, embed_trained, tail_trained, micro_rows,
+  def run(self, stage_leaves, stage_keys, stage_valid, embed_trained, tail_trained, micro_rows,
           micro_embed_rows, micro_targets, seed):
     """(loss, gradients of the chunk's, embedding's and tail's trained weights), each with a
     leading axis of 1: this stage's share, stacked over `stage` by the shard_map."""
     me = jax.lax.axis_index(STAGE_AXIS)
     leaves = [a[0, 0] for a in stage_leaves]   # the stage's one chunk, [chunk, ...] each
     loop = _StageLoop(self, me, leaves, self.layers.trained(leaves),
-                      None if stage_keys is None else stage_keys[0, 0], embed_trained,
+                      None if stage_keys is None else stage_keys[0, 0],
+                      None if stage_valid is None else stage_valid[0, 0], embed_trained,
                       tail_trained, micro_rows, micro_embed_rows, micro_targets, seed)
     table = {k: jnp.asarray(getattr(self.tables, k)) for k in (
         'action', 'micro', 'forward_arrives', 'forward_micro', 'backward_arrives',
@@ -130,9 +134,10 @@ class _StageLoop:
   takes another action they pass through. (XLA wants a conditional's results placed alike in
   both branches: hence the placements of the gradients' sums and the activations.)"""
 
-  def __init__(self, stage: _Stage, me, leaves, trained, keys, embed_trained, tail_trained,
-               micro_rows, micro_embed_rows, micro_targets, seed):
+  def __init__(self, stage: _Stage, me, leaves, trained, keys, valid, embed_trained,
+               tail_trained, micro_rows, micro_embed_rows, micro_targets, seed):
     self.s, self.me, self.leaves, self.trained, self.keys = stage, me, leaves, trained, keys
+    self.valid = valid   # the chunk's slots that run a layer (None: all)
     self.first, self.last = me == 0, me == stage.tables.stages - 1
     self.embed_trained, self.tail_trained, self.seed = embed_trained, tail_trained, seed
     self.micro_rows, self.micro_embed_rows = micro_rows, micro_embed_rows
@@ -153,7 +158,8 @@ class _StageLoop:
     """(the chunk's output, its pullback) at `trained` weights and input `x`."""
     def apply(trained, x):
       weights = self.s.layers.with_trained(trained, self.leaves)
-      return scan_chunk(self.s.layer, weights, x, chunk_keys, rows_now, unroll=True)
+      return scan_chunk(self.s.layer, weights, x, chunk_keys, rows_now, unroll=True,
+                        valid=self.valid)
     return jax.vjp(apply, trained, x)
 
   def embed_of(self, m):

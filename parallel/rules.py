@@ -53,12 +53,15 @@ REPLICATED = MODEL_PARALLEL
 # model, as data-parallel ones do: torchtitan shards over its dp_shard x cp mesh the same way):
 # every weight has an `embed` dimension (norm scales are only that), and d_model divides evenly far
 # more often than the other dimensions.
-SHARDED = (('embed', ('fsdp', 'context')),) + MODEL_PARALLEL
+ZERO_AXES = ('fsdp', 'context')
+SHARDED = (('embed', ZERO_AXES),) + MODEL_PARALLEL
 
 # The mesh axes whose uneven splits of stored state are padded (parallel/padding.py): the ZeRO
-# axes only store, so padding them costs bytes and nothing else; the model-parallel axes split
-# computation, and a dimension they do not divide is refused.
-PADDED_AXES = ('fsdp', 'context')
+# axes only store, so padding them costs bytes and nothing else; so does `stage`, which splits the
+# stored `layers` axis only (a pipeline takes each chunk's layers out of it: parallel/
+# stage_layers.py). The other model-parallel axes split computation, and a dimension they do not
+# divide is refused.
+PADDED_AXES = ZERO_AXES + ('stage',)
 
 
 # Activations inside a per-device region (a vmap over the data-parallel devices): the batch there

@@ -118,7 +118,9 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   one_f_one_b = P > 1 and recipe.schedule == '1f1b'
   if one_f_one_b:   # each chunk's forward runs again in its backward slot
     flops += cfg.flops_per_token(seq_len) / 3
-  compute = flops * tokens * bubble / (n * target.peak_bf16 * MFU_ASSUMED)
+  # Stages run in step, each as deep as the deepest: ceil(L / P) layers where P does not divide L.
+  uneven = P * -(-cfg.num_layers // P) / cfg.num_layers
+  compute = flops * tokens * bubble * uneven / (n * target.peak_bf16 * MFU_ASSUMED)
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
   f = (dp - 1) / dp

@@ -89,7 +89,7 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
   more than one node (at most one stage per node)."""
   cfg, n, batch = checks.model_config(config), target.count, config.train.batch_size
   stage_counts = [p for p in _divisors(n) if p == 1 or (
-      stages and n > target.per_node and p <= n // target.per_node and cfg.num_layers % p == 0)]
+      stages and n > target.per_node and p <= n // target.per_node and cfg.num_layers >= p)]
   seq_len = config.train.seq_len
   found = []
   for p, t, c in itertools.product(stage_counts, _divisors(n), _divisors(n)):

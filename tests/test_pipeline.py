@@ -10,6 +10,7 @@ import pytest
 from configs import default
 from configs.layouts import layout_config
 from parallel.pipeline import PipelineSchedule
+from parallel.stage_layers import LayerSplit
 from tests.helpers import random_tokens, reordered_rtol
 from train import checks, run
 from train.checkpoint import Checkpointer
@@ -148,16 +149,23 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
                          'parallel.pipeline_microbatches': 8},
     'gpipe-tensor-M8': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2), 'parallel.zero_stage': 0,
                         'parallel.pipeline_microbatches': 8},
-    'circular-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2), 'parallel.zero_stage': 1,
-                           'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 2,
-                           'train.microbatches': 2},
+    # Uneven chunks (parallel.pipeline_stage_layers): each taken out of the stored stack, the
+    # shorter ones passing their input through their spare slots.
+    'circular-tensor-M4-layers-1331': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
+                                       'parallel.zero_stage': 1,
+                                       'parallel.pipeline_schedule': 'circular',
+                                       'parallel.pipeline_repeats': 2, 'train.microbatches': 2,
+                                       'parallel.pipeline_stage_layers': '1,3,3,1'},
     # ZeRO-3's weights gathered once per step, before the loop (parallel.pipeline_gather_once).
-    'gpipe-fsdp-M4-gather-once': {'parallel.pipeline_gather_once': True},
+    'gpipe-fsdp-M4-gather-once-layers-1331': {'parallel.pipeline_gather_once': True,
+                                              'parallel.pipeline_stage_layers': '1,3,3,1'},
     'circular-fsdp-M8-gather-once': {'parallel.pipeline_schedule': 'circular',
                                      'parallel.pipeline_repeats': 2,
                                      'parallel.pipeline_microbatches': 8,
                                      'parallel.pipeline_gather_once': True},
-    '1f1b-fsdp-M8': {'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_microbatches': 8},
+    '1f1b-fsdp-M8-layers-3122': {'parallel.pipeline_schedule': '1f1b',
+                                 'parallel.pipeline_microbatches': 8,
+                                 'parallel.pipeline_stage_layers': '3,1,2,2'},
     'interleaved_1f1b-fsdp-M8': {'parallel.pipeline_schedule': 'interleaved_1f1b',
                                  'parallel.pipeline_repeats': 2, 'parallel.pipeline_microbatches': 8},
     # Replicated gradients summed per data-parallel device (train/step.py's per_device); under
@@ -165,16 +173,19 @@ PIPELINES = {   # name: overrides of the layout (4 stages x 2-way fsdp, ZeRO-3, 
     '1f1b-tensor-data-M4-remat': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2),
                                   'parallel.zero_stage': 0, 'parallel.pipeline_schedule': '1f1b',
                                   'model.remat': 'full'},
-    'interleaved_1f1b-tensor-M4': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
-                                   'parallel.zero_stage': 1, 'train.microbatches': 2,
-                                   'parallel.pipeline_schedule': 'interleaved_1f1b',
-                                   'parallel.pipeline_repeats': 2},
+    'interleaved_1f1b-tensor-M4-layers-3113': {'mesh': dict(stage=2, data=1, fsdp=2, tensor=2),
+                                               'parallel.zero_stage': 1, 'train.microbatches': 2,
+                                               'parallel.pipeline_schedule': 'interleaved_1f1b',
+                                               'parallel.pipeline_repeats': 2,
+                                               'parallel.pipeline_stage_layers': '3,1,1,3'},
     # Zero bubble: real branches per stage (a shard_map over `stage`), the pullbacks' residuals
     # kept from F to W; under remat the residuals are the layers' inputs.
     'zb_h1-fsdp-M8': {'parallel.pipeline_schedule': 'zb_h1', 'parallel.pipeline_microbatches': 8},
-    'zb_h1-tensor-data-M4-remat': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2),
-                                   'parallel.zero_stage': 0, 'parallel.pipeline_schedule': 'zb_h1',
-                                   'model.remat': 'full'},
+    'zb_h1-tensor-data-M4-remat-layers-35': {'mesh': dict(stage=2, data=2, fsdp=1, tensor=2),
+                                             'parallel.zero_stage': 0,
+                                             'parallel.pipeline_schedule': 'zb_h1',
+                                             'model.remat': 'full',
+                                             'parallel.pipeline_stage_layers': '3,5'},
 }
 BATCH = 16
 
@@ -197,6 +208,51 @@ def test_losses_and_parameters_equal_the_single_device_run(name, reference):
                          zip(jax.tree.leaves(params), jax.tree.leaves(want_params))])
   assert np.quantile(diff, 0.999) <= 1e-3 * lr
   assert diff.max() <= 0.1 * lr
+
+
+def test_a_layer_count_no_stage_count_divides_trains_as_one_device():
+  """7 layers on 4 stages: stored padded to 8 (2 a stage, the last one's second a layer of
+  zeros), run as chunks of 2, 2, 2 and 1 layers by the schedule with real branches per stage."""
+  seven = {'model.num_layers': 7}
+  want_losses, want_params, _ = train(config(BATCH, **seven, **{
+      'mesh': dict(stage=1, data=1, fsdp=1, tensor=1), 'parallel.zero_stage': 0}),
+      devices=jax.devices()[:1])
+  losses, params, s = train(config(BATCH, **seven, **{'parallel.pipeline_schedule': 'zb_h1',
+                                                      'parallel.pipeline_microbatches': 8}))
+  assert s.pipeline.layer_split(7).counts == (2, 2, 2, 1)
+  np.testing.assert_allclose(losses, want_losses,
+                             rtol=reordered_rtol(BATCH * s.config.train.seq_len))
+  lr = s.config.train.learning_rate
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    if got.shape != want.shape:   # the stacked layers: the padding stays zero
+      assert got.shape[0] == 8 and not got[7:].any()
+      got = got[:7]
+    assert np.abs(got - want).max() <= 0.1 * lr
+
+
+@pytest.mark.parametrize('layers,stages,repeats,counts,want', [
+    (16, 4, 1, (), (4, 4, 4, 4)),
+    (15, 4, 1, (), (4, 4, 4, 3)),              # the storage's blocks: nothing moves
+    (30, 4, 1, (), (8, 8, 8, 6)),
+    (28, 8, 1, (), (3, 3, 4, 4, 4, 4, 3, 3)),  # blocks of 4 would leave the last stage none
+    (12, 4, 2, (), (1, 1, 2, 2, 2, 2, 1, 1)),
+    (16, 4, 1, (3, 5, 5, 3), (3, 5, 5, 3)),
+])
+def test_a_split_gives_every_layer_one_running_slot_in_model_order(layers, stages, repeats,
+                                                                  counts, want):
+  split = LayerSplit.of(layers, stages, repeats, counts)
+  assert split.counts == want
+  index, valid = split.slots()
+  # Chunk r * stages + p on stage p runs its layers in order; together, every layer once.
+  running = [index[c % stages, c // stages][valid[c % stages, c // stages]]
+             for c in range(stages * repeats)]
+  np.testing.assert_array_equal(np.concatenate(running), np.arange(layers))
+  assert [len(r) for r in running] == list(want)
+  stack = np.arange(layers * 3, dtype=np.float32).reshape(layers, 3)
+  taken = np.asarray(split.take(stack))
+  assert taken.shape == (stages, repeats, split.depth, 3)
+  np.testing.assert_array_equal(taken[valid], stack[index[valid]])
+  np.testing.assert_array_equal(np.asarray(split.put_back(taken)), stack)
 
 
 @pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b', 'zb_h1'])
@@ -278,39 +334,43 @@ def test_the_dry_run_reports_the_compiled_schedule():
 
 # ---- checkpoints -----------------------------------------------------------------------------
 def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
-  pipelined = run.setup(config(8))
-  plain = run.setup(config(8, **{'mesh': dict(stage=1, data=1, fsdp=8, tensor=1)}))
+  """7 layers on 4 stages are stored padded to 8; the checkpoint holds the 7."""
+  seven = {'model.num_layers': 7}
+  pipelined = run.setup(config(8, **seven))
+  plain = run.setup(config(8, **seven, **{'mesh': dict(stage=1, data=1, fsdp=8, tensor=1)}))
   with pipelined.context():
     state = pipelined.layout.init()
-  saved = jax.tree.map(np.asarray, jax.device_get(state['params']))
+  unpadded = lambda a: a[:7] if a.shape[0] == 8 else a   # the stacked layers' padding cut off
+  saved = jax.tree.map(lambda a: unpadded(np.asarray(a)), jax.device_get(state['params']))
+  assert pipelined.layout.unpadded and not plain.layout.unpadded
   first = Checkpointer(str(tmp_path / 'a'), keep=1)
-  first.save(1, state, {}, {})
+  first.save(1, state, {}, {'unpadded': pipelined.layout.unpadded})   # as train/run.py saves
   first.wait()
   on_plain, _ = first.restore(1, plain.layout.abstract)
   layers_per_device = lambda state: (
       state['params']['blocks']['mlp']['gate']['kernel'].addressable_shards[0].data.shape[0])
-  assert layers_per_device(on_plain) == 8   # every layer on every device
+  assert layers_per_device(on_plain) == 7   # every layer on every device
   second = Checkpointer(str(tmp_path / 'b'), keep=1)
   second.save(1, on_plain, {}, {})
   second.wait()
-  back, _ = second.restore(1, pipelined.layout.abstract)
-  assert layers_per_device(back) == 2       # a stage's 8 / 4 layers
+  back, _ = second.restore(1, pipelined.layout.abstract, pipelined.layout.unpadded)
+  assert layers_per_device(back) == 2       # a stage's ceil(7 / 4) layers
   for restored in (on_plain, back):
     for got, want in zip(jax.tree.leaves(jax.device_get(restored['params'])), jax.tree.leaves(saved)):
-      np.testing.assert_array_equal(got, want)
+      np.testing.assert_array_equal(unpadded(got), want)
   first.close()
   second.close()
 
 
 # ---- refusals --------------------------------------------------------------------------------
 @pytest.mark.parametrize('overrides,message', [
-    ({'model.num_layers': 6}, 'model.num_layers=6 does not split into mesh.stage=4'),
     ({'parallel.pipeline_microbatches': 2}, 'parallel.pipeline_microbatches=2 with mesh.stage=4'),
     ({'parallel.pipeline_microbatches': 8}, 'does not divide the 4 rows'),
     ({'parallel.pipeline_schedule': 'zigzag'}, "parallel.pipeline_schedule='zigzag'; allowed"),
     ({'parallel.pipeline_repeats': 2}, "parallel.pipeline_repeats=2 with parallel.pipeline_schedule='gpipe'"),
     ({'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 3},
-     'mesh.stage=4 x parallel.pipeline_repeats=3 = 12 chunks'),
+     'model.num_layers=8 cannot give each of mesh.stage=4 x parallel.pipeline_repeats=3 = 12 '
+     'chunks a layer'),
     ({'mesh': dict(stage=3, data=1, fsdp=-1, tensor=1)}, 'cannot fill 8 devices'),
     ({'parallel.pipeline_schedule': '1f1b', 'parallel.pipeline_repeats': 2},
      "parallel.pipeline_repeats=2 with parallel.pipeline_schedule='1f1b'"),
@@ -329,6 +389,12 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
      "always gathers"),
     ({'parallel.zero_stage': 2, 'parallel.pipeline_gather_once': True},
      'parallel.pipeline_gather_once=True with parallel.zero_stage=2: below ZeRO-3'),
+    ({'parallel.pipeline_stage_layers': '2,2,4'}, "parallel.pipeline_stage_layers='2,2,4' names "
+     '3 chunks; mesh.stage=4 x parallel.pipeline_repeats=1 makes 4'),
+    ({'parallel.pipeline_stage_layers': '2,2,2,1'}, 'adds up to 7 layers; model.num_layers=8'),
+    ({'parallel.pipeline_stage_layers': '4,0,2,2'}, 'each chunk needs at least one layer'),
+    ({'parallel.pipeline_stage_layers': '4;4'}, 'give the layers of each chunk as integers'),
+    ({'model.num_layers': 3}, 'model.num_layers=3 cannot give each of mesh.stage=4'),
 ])
 def test_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
   with pytest.raises(checks.ConfigError, match=re.escape(message)) as e:

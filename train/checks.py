@@ -11,6 +11,7 @@ from models.attention import resolve as resolve_attention
 from models.lora import LoraSpec, check_targets
 from optim.adam8bit import BLOCK_SIZES
 from optim.adamw import ADAM_BITS
+from parallel import stage_layers
 from parallel.pipeline import PipelineSchedule
 from parallel.rules import layout_rules
 from precision.policy import Policy, get_policy
@@ -246,12 +247,14 @@ def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSch
   if stages == 1:
     return None
   parallel, train = config.parallel, config.train
+  num_layers, counts = model_config(config).num_layers, parallel.get('pipeline_stage_layers', '')
   schedule = PipelineSchedule(parallel.pipeline_schedule, stages, parallel.pipeline_microbatches,
                               parallel.pipeline_repeats)
-  refused = schedule.refusal(model_config(config).num_layers,
-                             train.batch_size // (data_parallel * train.microbatches))
+  refused = (schedule.refusal(num_layers, train.batch_size // (data_parallel * train.microbatches))
+             or stage_layers.refusal(counts, num_layers, stages, schedule.repeats))
   if refused:
     raise ConfigError(refused)
+  schedule = dataclasses.replace(schedule, chunk_layers=stage_layers.parse(counts))
   if parallel.get('pipeline_gather_once', False) and schedule.backward_in_loop:
     raise ConfigError(f'parallel.pipeline_gather_once=True with parallel.pipeline_schedule='
                       f'{schedule.name!r}: that schedule always gathers ZeRO-3\'s weights once per '

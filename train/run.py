@@ -227,7 +227,8 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                        repeats=s.pipeline.repeats, schedule=s.pipeline.name,
-                       gather_once=s.config.parallel.get('pipeline_gather_once', False))))
+                       gather_once=s.config.parallel.get('pipeline_gather_once', False),
+                       chunk_layers=s.pipeline.chunk_layers)))
 
 
 def estimated_bytes(s: Setup, backend: str | None = None) -> tuple[dict, dict]:

@@ -34,8 +34,11 @@ def print_summary(s: Setup, memory: dict) -> None:
         f'sequences x {s.config.train.seq_len} tokens in {s.config.train.microbatches} microbatch(es)')
   pipe = memory.get('pipeline')
   if pipe:
+    counts = sorted(set(pipe['chunk_layers']))
+    depth = (f'{counts[0]} layer(s)' if len(counts) == 1 else
+             f'{",".join(map(str, pipe["chunk_layers"]))} layers')
     print(f'pipeline    {pipe["schedule"]}: {pipe["stages"]} stages x {pipe["repeats"]} chunk(s) of '
-          f'{pipe["layers_per_stage"] // pipe["repeats"]} layer(s), {pipe["microbatches"]} '
+          f'{depth}, {pipe["microbatches"]} '
           f'microbatches, {pipe["iterations"]} iterations; bubble {pipe["bubble_fraction"]:.1%} of '
           f'stage-iterations')
   print(f'compiled    train step in {memory["compile_seconds"]:.1f} s '

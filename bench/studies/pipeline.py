@@ -3,6 +3,7 @@ and temp) beside the analytic estimate, and each step's collectives. Nothing is 
 
   python -m bench.studies.pipeline [--stages=4,8] [--preset=small]
   python -m bench.studies.pipeline --preset=7b --num_layers=32 --batch_size=64   # WORKSPACE's 7B table
+  python -m bench.studies.pipeline --num_layers=15 --stage_layers=3,4,4,4   # uneven stages
   python -m bench.studies.pipeline --compose [--schedules=1f1b]   # every precision / quant mode /
                                                   # LoRA through a pipeline (the first schedule)
 
@@ -21,7 +22,10 @@ from absl import app, flags, logging
 _STAGES = flags.DEFINE_list('stages', ['4', '8'], 'Pipeline stage counts.')
 _PRESET = flags.DEFINE_string('preset', 'small', 'Model preset.')
 _DEVICES = flags.DEFINE_integer('devices', 8, 'Simulated devices.')
-_LAYERS = flags.DEFINE_integer('num_layers', 16, 'Model depth (divisible by stages x 2).')
+_LAYERS = flags.DEFINE_integer('num_layers', 16, 'Model depth.')
+_STAGE_LAYERS = flags.DEFINE_string('stage_layers', '', 'parallel.pipeline_stage_layers: layers per '
+                                    "chunk ('' : the default split).")
+_SEQ_LEN = flags.DEFINE_integer('seq_len', 0, 'Tokens per sequence (0: the preset\'s).')
 _BATCH = flags.DEFINE_integer('batch_size', 64, 'Global batch in sequences.')
 _ACCUMULATION = flags.DEFINE_integer('microbatches', 1, 'Gradient-accumulation microbatches '
                                      '(train.microbatches), each split by the pipeline.')
@@ -82,6 +86,8 @@ def main(argv):
                            'train.microbatches': _ACCUMULATION.value,
                            'parallel.pipeline_schedule': schedule,
                            'parallel.pipeline_repeats': repeats,
+                           'parallel.pipeline_stage_layers': _STAGE_LAYERS.value,
+                           **({'train.seq_len': _SEQ_LEN.value} if _SEQ_LEN.value else {}),
                            'parallel.pipeline_gather_once': _GATHER_ONCE.value and schedule in (
                                'gpipe', 'circular')}.items():
           default.override(config, key, value)
@@ -94,6 +100,7 @@ def main(argv):
         memory = run.memory_report(s, run.compile_train_step(s))
         pipe, collectives = memory['pipeline'], memory['collectives_per_step']
         row = {'stages': stages, 'microbatches': m, 'schedule': schedule, 'repeats': repeats,
+               'chunk_layers': pipe['chunk_layers'],
                'gather_once': config.parallel.pipeline_gather_once,
                'bubble_fraction': pipe['bubble_fraction'], 'bubble_formula': pipe['bubble_formula'],
                'compiled_bytes': memory['per_device_bytes']['total'],

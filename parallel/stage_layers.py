@@ -1,0 +1,141 @@
+"""Which of the model's layers each pipeline chunk runs: even splits and uneven ones.
+
+The layers are cut into `stages x repeats` chunks of consecutive layers, chunk r * stages + p on
+stage p (round r of the ring). `parallel.pipeline_stage_layers` gives the chunks' layer counts in
+model order ('7,8,8,7': 30 layers on 4 stages); left empty, the layers are split as evenly as they
+go, the extra layers of a count that does not divide on the middle chunks (the first and last also
+run the embedding and the head).
+
+Every stage runs one program (a vmap or shard_map over `stage`), so each chunk is given the depth
+of the deepest: `slots` is a [stages, repeats, depth] table of layer indices, and a chunk shorter
+than the depth repeats its last layer in the slots it lacks, slots that pass their input through
+unchanged (`valid` False) and so get no gradient. They cost a layer's compute each, as a stage of
+the deepest chunk's depth would: the stages run in step.
+
+The weights stay stored in model order on their [num_layers] axis, split over `stage` in
+contiguous blocks of ceil(num_layers / stages) (the last blocks padded: parallel/padding.py), so
+checkpoints do not depend on the split. An even split is that storage's own blocks (a reshape);
+any other takes each chunk's layers out of it once per step (a gather across stages, as circular's
+re-layout) and puts their gradients back (`take`, `put_back`).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+  counts: tuple[int, ...]   # layers of each chunk, in model order
+  stages: int               # P
+  repeats: int              # R: chunks per stage
+
+  @classmethod
+  def of(cls, num_layers: int, stages: int, repeats: int,
+         counts: tuple[int, ...] = ()) -> 'LayerSplit':
+    """`counts` as given; or the storage's own blocks (`blocks`) where they leave no chunk
+    empty; or else as even as it goes, the remainder on the middle chunks."""
+    if counts:
+      return cls(tuple(counts), stages, repeats)
+    chunks = stages * repeats
+    depth = -(-num_layers // chunks)
+    blocks = tuple(min(depth, max(0, num_layers - c * depth)) for c in range(chunks))
+    if min(blocks) > 0:
+      return cls(blocks, stages, repeats)
+    base, extra = divmod(num_layers, chunks)
+    first = (chunks - extra) // 2
+    return cls(tuple(base + (first <= c < first + extra) for c in range(chunks)), stages, repeats)
+
+  @property
+  def depth(self) -> int:
+    """Layer slots per chunk: the deepest chunk's count."""
+    return max(self.counts)
+
+  @property
+  def blocks(self) -> bool:
+    """Every chunk `depth` deep but the last ones, which hold what is left: the layers' axis
+    padded at its end to chunks x depth (as its storage is, by ceil(num_layers / stages) a stage)
+    and cut into chunks, so taking them moves nothing an even split would not."""
+    full = [c == self.depth for c in self.counts]
+    return full == sorted(full, reverse=True) and sorted(self.counts, reverse=True) == list(
+        self.counts)
+
+  @property
+  def stage_layers(self) -> tuple[int, ...]:
+    """The layers each stage runs, over its chunks."""
+    P = self.stages
+    return tuple(sum(self.counts[p::P]) for p in range(P))
+
+  def slots(self) -> tuple[np.ndarray, np.ndarray]:
+    """([stages, repeats, depth] int: the model layer in each slot, the same shape bool: whether
+    the slot runs it)."""
+    P, R, depth = self.stages, self.repeats, self.depth
+    starts = np.cumsum((0,) + self.counts[:-1])
+    index = np.zeros((P, R, depth), np.int32)
+    valid = np.zeros((P, R, depth), bool)
+    for c, (start, count) in enumerate(zip(starts, self.counts)):
+      r, p = divmod(c, P)
+      index[p, r] = start + np.minimum(np.arange(depth), count - 1)
+      valid[p, r] = np.arange(depth) < count
+    return index, valid
+
+  def valid(self) -> jax.Array | None:
+    """[stages, repeats, depth] bool (see `slots`), or None where every slot runs its layer."""
+    return None if len(set(self.counts)) == 1 else jnp.asarray(self.slots()[1])
+
+  def take(self, a: jax.Array) -> jax.Array:
+    """[num_layers, ...] in model order -> [stages, repeats, depth, ...]: each chunk's layers."""
+    P, R, depth = self.stages, self.repeats, self.depth
+    if not self.blocks:
+      return a[jnp.asarray(self.slots()[0])]
+    if a.shape[0] < P * R * depth:
+      a = jnp.pad(a, [(0, P * R * depth - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+    return a.reshape(R, P, depth, *a.shape[1:]).swapaxes(0, 1)
+
+  def put_back(self, a: jax.Array) -> jax.Array:
+    """`take`'s inverse for what the slots computed (their gradients): [stages, repeats, depth,
+    ...] -> [num_layers, ...] in model order, the slots that do not run a layer left out."""
+    layers = sum(self.counts)
+    if self.blocks:
+      a = a.swapaxes(0, 1)
+      return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])[:layers]
+    index, valid = self.slots()
+    where = np.zeros(layers, np.int32)
+    where[index[valid]] = np.flatnonzero(valid)   # each layer's one running slot
+    return a.reshape(-1, *a.shape[3:])[jnp.asarray(where)]
+
+
+def parse(text: str) -> tuple[int, ...] | None:
+  """'7,8,8,7' -> (7, 8, 8, 7); '' -> (); None where `text` is not a list of integers."""
+  text = str(text).strip().strip('()[]')
+  if not text:
+    return ()
+  try:
+    return tuple(int(part) for part in text.split(','))
+  except ValueError:
+    return None
+
+
+def refusal(text: str, num_layers: int, stages: int, repeats: int) -> str | None:
+  """One line naming what in `parallel.pipeline_stage_layers` does not fit, or None."""
+  chunks = stages * repeats
+  counts = parse(text)
+  name = f'parallel.pipeline_stage_layers={text!r}'
+  if counts is None:
+    return f'{name}; give the layers of each chunk as integers, e.g. 7,8,8,7 (or leave it empty)'
+  if not counts:
+    if num_layers < chunks:
+      return (f'model.num_layers={num_layers} cannot give each of mesh.stage={stages} x '
+              f'parallel.pipeline_repeats={repeats} = {chunks} chunks a layer; use at most '
+              f'{num_layers} chunks')
+    return None
+  if len(counts) != chunks:
+    return (f'{name} names {len(counts)} chunks; mesh.stage={stages} x parallel.pipeline_repeats='
+            f'{repeats} makes {chunks} (one count per chunk, in model order)')
+  if min(counts) < 1:
+    return f'{name}: each chunk needs at least one layer'
+  if sum(counts) != num_layers:
+    return (f'{name} adds up to {sum(counts)} layers; model.num_layers={num_layers} (the counts '
+            f'must add up to it)')
+  return None
