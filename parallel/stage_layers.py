@@ -39,8 +39,7 @@ class LayerSplit:
     if counts:
       return cls(tuple(counts), stages, repeats)
     chunks = stages * repeats
-    depth = -(-num_layers // chunks)
-    blocks = tuple(min(depth, max(0, num_layers - c * depth)) for c in range(chunks))
+    blocks = _blocks(num_layers, chunks, -(-num_layers // chunks))
     if min(blocks) > 0:
       return cls(blocks, stages, repeats)
     base, extra = divmod(num_layers, chunks)
@@ -57,9 +56,7 @@ class LayerSplit:
     """Every chunk `depth` deep but the last ones, which hold what is left: the layers' axis
     padded at its end to chunks x depth (as its storage is, by ceil(num_layers / stages) a stage)
     and cut into chunks, so taking them moves nothing an even split would not."""
-    full = [c == self.depth for c in self.counts]
-    return full == sorted(full, reverse=True) and sorted(self.counts, reverse=True) == list(
-        self.counts)
+    return self.counts == _blocks(sum(self.counts), len(self.counts), self.depth)
 
   @property
   def stage_layers(self) -> tuple[int, ...]:
@@ -104,6 +101,11 @@ class LayerSplit:
     where = np.zeros(layers, np.int32)
     where[index[valid]] = np.flatnonzero(valid)   # each layer's one running slot
     return a.reshape(-1, *a.shape[3:])[jnp.asarray(where)]
+
+
+def _blocks(num_layers: int, chunks: int, depth: int) -> tuple[int, ...]:
+  """The layers of each chunk where the stack, padded to chunks x depth, is cut into chunks."""
+  return tuple(min(depth, max(0, num_layers - c * depth)) for c in range(chunks))
 
 
 def parse(text: str) -> tuple[int, ...] | None:

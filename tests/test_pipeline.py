@@ -237,6 +237,7 @@ def test_a_layer_count_no_stage_count_divides_trains_as_one_device():
     (28, 8, 1, (), (3, 3, 4, 4, 4, 4, 3, 3)),  # blocks of 4 would leave the last stage none
     (12, 4, 2, (), (1, 1, 2, 2, 2, 2, 1, 1)),
     (16, 4, 1, (3, 5, 5, 3), (3, 5, 5, 3)),
+    (12, 4, 1, (4, 4, 2, 2), (4, 4, 2, 2)),    # as deep as the blocks, but not them
 ])
 def test_a_split_gives_every_layer_one_running_slot_in_model_order(layers, stages, repeats,
                                                                   counts, want):
