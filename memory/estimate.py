@@ -171,12 +171,11 @@ class StepShape:
     return (self.layer_split(cfg).depth * self.pipeline_iterations / self.pipeline_microbatches
             if self.stages > 1 else cfg.num_layers)
 
-  @property
-  def takes_layers(self) -> bool:
-    """A split of the layers other than their storage's blocks: each chunk's layers are taken out
-    of the stored stack once per step (a gather across stages)."""
-    return self.stages > 1 and bool(self.chunk_layers) and not LayerSplit(
-        self.chunk_layers, self.stages, self.repeats).blocks
+  def takes_layers(self, cfg: ModelConfig) -> bool:
+    """A split of the layers other than their storage's blocks (given, or the default where the
+    blocks would leave a chunk empty): each chunk's layers are taken out of the stored stack once
+    per step (a gather across stages)."""
+    return self.stages > 1 and not self.layer_split(cfg).blocks
 
   def stage_params(self, cfg: ModelConfig) -> float:
     """Parameters one pipeline stage holds: the layers are stored over the stages in blocks of
@@ -1080,7 +1079,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # 4,4,4,3, two sets of the stage's fp32 layer weights at 1.81; the 1f1b schedules take them
   # with their once-per-step gather, no more memory).
   taken = (2 * stage_layers * p / shape.tensor
-           if shape.takes_layers and not shape.backward_in_loop and not shape.stage_whole else 0)
+           if shape.takes_layers(cfg) and not shape.backward_in_loop and not shape.stage_whole
+           else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).

@@ -2,9 +2,10 @@
 
 The layers are cut into `stages x repeats` chunks of consecutive layers, chunk r * stages + p on
 stage p (round r of the ring). `parallel.pipeline_stage_layers` gives the chunks' layer counts in
-model order ('7,8,8,7': 30 layers on 4 stages); left empty, the layers are split as evenly as they
-go, the extra layers of a count that does not divide on the middle chunks (the first and last also
-run the embedding and the head).
+model order ('7,8,8,7': 30 layers on 4 stages). Left empty: chunks of ceil(layers / chunks), the
+last ones holding what is left (30 on 4 stages: 8,8,8,6), which is how the layers are stored, so
+nothing moves; where that would leave a chunk empty (28 on 8), as even as they go, the extra layers
+on the middle chunks (the first and last also run the embedding and the head).
 
 Every stage runs one program (a vmap or shard_map over `stage`), so each chunk is given the depth
 of the deepest: `slots` is a [stages, repeats, depth] table of layer indices, and a chunk shorter

@@ -118,8 +118,10 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   one_f_one_b = P > 1 and recipe.schedule == '1f1b'
   if one_f_one_b:   # each chunk's forward runs again in its backward slot
     flops += cfg.flops_per_token(seq_len) / 3
-  # Stages run in step, each as deep as the deepest: ceil(L / P) layers where P does not divide L.
-  uneven = P * -(-cfg.num_layers // P) / cfg.num_layers
+  # Stages run in step, each as deep as the deepest: ceil(L / P) layers where P does not divide L
+  # (the default split: parallel/stage_layers.py).
+  stage_layers = -(-cfg.num_layers // P)
+  uneven = P * stage_layers / cfg.num_layers
   compute = flops * tokens * bubble * uneven / (n * target.peak_bf16 * MFU_ASSUMED)
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
@@ -148,7 +150,7 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
 
   rows = batch // (dp // c * recipe.microbatches * recipe.pipeline_microbatches)
   activation = rows * seq_len // c * cfg.d_model * compute_bytes
-  all_reduces = cfg.num_layers / P * m * (6 if recipe.remat == 'full' else 4)
+  all_reduces = stage_layers * m * (6 if recipe.remat == 'full' else 4)
   tp_bytes = all_reduces * 2 * (t - 1) / t * activation if t > 1 else 0.0
   tp_comm = tp_bytes / target.intra_node
   # Every iteration each stage sends its activation on and, backward, its gradient back: over the
@@ -168,7 +170,7 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   context_bytes = 0.0
   if c > 1:
     backward = (1 + 4 / compute_bytes) if ring else 1   # the fp32 gradients travel with them
-    context_bytes = cfg.num_layers / P * m * (forward_passes + backward) * (c - 1) / c * kv
+    context_bytes = stage_layers * m * (forward_passes + backward) * (c - 1) / c * kv
   context_comm = context_bytes / target.intra_node
 
   sharded = cfg.num_params / (t * P * (dp if zero_shards(recipe.zero_stage, 'optimizer') else 1))

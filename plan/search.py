@@ -79,6 +79,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.parallel.pipeline_schedule = recipe.schedule
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
   config.parallel.pipeline_repeats = 1
+  config.parallel.pipeline_stage_layers = ''   # the default split of the recipe's stages
   config.parallel.offload_optimizer = recipe.offload
   config.model.context_attention = recipe.context_attention
   return config

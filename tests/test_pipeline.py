@@ -396,6 +396,8 @@ def test_a_pipelined_checkpoint_restores_onto_a_plain_mesh_and_back(tmp_path):
     ({'parallel.pipeline_stage_layers': '4,0,2,2'}, 'each chunk needs at least one layer'),
     ({'parallel.pipeline_stage_layers': '4;4'}, 'give the layers of each chunk as integers'),
     ({'model.num_layers': 3}, 'model.num_layers=3 cannot give each of mesh.stage=4'),
+    ({'model.num_layers': 7, 'lora.rank': 4, 'quant.weights': 'nf4'},
+     "quant.weights='nf4' with model.num_layers=7 on mesh.stage=4"),
 ])
 def test_settings_that_do_not_fit_are_refused_in_one_line(overrides, message):
   with pytest.raises(checks.ConfigError, match=re.escape(message)) as e:

@@ -177,7 +177,7 @@ class Checkpointer:
               f'{self.path(step)} holds 8-bit Adam moments of {path} blocked from its weights '
               f'{held(blocked.get(path))} (parallel/padding.py), which this mesh holds '
               f'{held(here.get(path))}; 8-bit moments move only between meshes that pad alike: '
-              f'resume with the fsdp size that saved them '
+              f'resume with the fsdp (and stage) sizes that saved them '
               f'({os.path.dirname(self.directory)}/config.json)')
     name = self._different_array(step, abstract_state, meta.get('unpadded'), stored_meta)
     if name is not None:

@@ -255,6 +255,10 @@ def pipeline_schedule(config, *, stages: int, data_parallel: int) -> PipelineSch
   if refused:
     raise ConfigError(refused)
   schedule = dataclasses.replace(schedule, chunk_layers=stage_layers.parse(counts))
+  if config.quant.get('weights', 'none') != 'none' and num_layers % stages:
+    raise ConfigError(f'quant.weights={config.quant.weights!r} with model.num_layers={num_layers} on '
+                      f'mesh.stage={stages}: a quantized frozen base is split over the stages only '
+                      f'where they divide the layers; use such a layer count or stage count')
   if parallel.get('pipeline_gather_once', False) and schedule.backward_in_loop:
     raise ConfigError(f'parallel.pipeline_gather_once=True with parallel.pipeline_schedule='
                       f'{schedule.name!r}: that schedule always gathers ZeRO-3\'s weights once per '

@@ -91,6 +91,9 @@ def main(argv):
                            'parallel.pipeline_gather_once': _GATHER_ONCE.value and schedule in (
                                'gpipe', 'circular')}.items():
           default.override(config, key, value)
+        counts = _STAGE_LAYERS.value.split(',') if _STAGE_LAYERS.value else ()
+        if counts and len(counts) != stages * repeats:   # a split names its own chunk count
+          continue
         try:
           s = run.setup(config)
         except checks.ConfigError as e:
