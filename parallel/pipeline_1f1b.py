@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
-from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, on_stages, pipelined, scan_chunk,
-                               split_rows)
+from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, join_rows, on_stages, pipelined,
+                               scan_chunk, split_rows)
 from parallel.rules import REPLICATED, LayoutRules
 
 
@@ -98,19 +98,22 @@ class OneFOneB:
     return pipeline(layers, embed_weights, tail_weights)
 
   def _placements(self, axes):
-    """(the layers' placement in the loop, the gradients' of (layers, embedding, tail)): leaf
-    functions of one stage's array, applied inside the vmap over stages (which adds the `stage`
-    axis in front). A stacked weight, [R, chunk, ...] per stage, is whole over `fsdp` (ZeRO-3
-    gathers it once per step, before the loop: left to XLA, the straight-line chunk's gathers
-    are hoisted out of the loop anyway, in a layout that takes more: 100m, 0.73 against 0.41 GiB
-    of temp); its gradient is split as the layout's gradients are (ZeRO-2/3: summed into the
-    shard at every tick, a reduce-scatter)."""
+    """(the layers' placement in the loop, the gradients' of (layers, embedding, tail), the
+    embedding's and the tail's weights' before the loop): leaf functions of one stage's array,
+    the first two applied inside the vmap over stages (which adds the `stage` axis in front). A
+    stacked weight, [R, chunk, ...] per stage, is whole over `fsdp` (ZeRO-3 gathers it once per
+    step, before the loop: left to XLA, the straight-line chunk's gathers are hoisted out of the
+    loop anyway, in a layout that takes more: 100m, 0.73 against 0.41 GiB of temp); its gradient
+    is split as the layout's gradients are (ZeRO-2/3: summed into the shard at every tick, a
+    reduce-scatter). The embedding's and tail's weights are whole over `fsdp` too (used inside
+    the loop, ZeRO-3 would gather them at every tick)."""
     if self.rules is None:
-      return _kept(axes[0]), tuple(_kept(a) for a in axes)
+      return _kept(axes[0]), tuple(_kept(a) for a in axes), _kept(axes[1]), _kept(axes[2])
     gradients = (_placed(axes[0], self.rules.grads, True),
                  _placed(axes[1], self.rules.grads, False),
                  _placed(axes[2], self.rules.grads, False))
-    return _placed(axes[0], REPLICATED, True), gradients
+    return (_placed(axes[0], REPLICATED, True), gradients, _placed(axes[1], REPLICATED, False),
+            _placed(axes[2], REPLICATED, False))
 
 
 def _placed(tree, table, stacked: bool):
@@ -175,6 +178,7 @@ class _Loop:
   place_grads: list           # per (layers, embedding, tail): a placement per trained leaf
   seed: jax.Array             # the cotangent the loss sum will get
   rolled_backward: bool
+  embed_after: bool = False   # the embedding's gradient formed after the loop (`embeds_after`)
 
   def pick(self, a, index):
     """One chunk of a stage's [repeats, chunk, ...]."""
@@ -236,8 +240,9 @@ class _Loop:
     return jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
 
   def backward_slot(self, weight_leaves, stage_keys, valid, carry, t, cotangent):
-    """The chunk's vjp from its kept input; its weights' gradient added to its chunk's sum, the
-    embedding's on the first stage. Returns the gradient of the chunk's input."""
+    """The chunk's vjp from its kept input; its weights' gradient added to its chunk's sum; on the
+    first stage, the embedding's gradient added to its sum, or (`embed_after`) the gradient of
+    the embedding's output kept for it. Returns the gradient of the chunk's input."""
     d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, valid, t['b_chunk'],
                                         t['b_micro'], carry['kept'][t['b_slot']], cotangent)
     grads = []
@@ -247,7 +252,11 @@ class _Loop:
                          jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'],
                                                              0)))
     carry['grads'] = grads
-    if self.embed_weights.indices:   # the first stage takes the embedding's gradient
+    if self.embed_weights.indices and self.embed_after:
+      kept = carry['embedded_grads']
+      carry['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
+          kept, jnp.where(t['b_last'], dx.astype(kept.dtype), kept[t['b_micro']]), t['b_micro'], 0)
+    elif self.embed_weights.indices:
       _, embed_vjp = jax.vjp(self.embed_of(t['b_micro']), self.embed_weights.trained())
       carry['embed_grads'] = _added(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'],
                                     self.place_grads[1])
@@ -295,7 +304,10 @@ class _Loop:
         'kept': jnp.zeros((stages, self.schedule.in_flight) + shape.shape, shape.dtype),
         'grads': zeros([a[0] for a in self.layers.trained(self.stage_leaves)],
                        self.place_grads[0]),
-        'embed_grads': zeros(self.embed_weights.trained(), self.place_grads[1]),
+        'embed_grads': ([] if self.embed_after else
+                        zeros(self.embed_weights.trained(), self.place_grads[1])),
+        'embedded_grads': (jnp.zeros((stages, self.schedule.microbatches) + shape.shape,
+                                     shape.dtype) if self.embed_after else None),
         'tail_grads': zeros(self.tail_weights.trained(), self.place_grads[2]),
         'loss': jnp.zeros((stages,), jnp.float32),
     }
@@ -321,6 +333,7 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
   False); `wanted` None: the loss alone. `placements`: OneFOneB._placements."""
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
+  weights = placed_vocabulary(weights, placements)
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
   layer_split = schedule.layer_split(layers.leaves[0].shape[0])
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), schedule.microbatches),
@@ -336,7 +349,8 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
       micro_rows=split(rows), micro_embed_rows=split(embed_rows), micro_targets=split(targets),
       embed=embed, tail=tail,
       place_grads=[_Trained(p, want).trained() for p, want in zip(placements[1], wanted)],
-      seed=seed, rolled_backward=rolled_backward)
+      seed=seed, rolled_backward=rolled_backward,
+      embed_after=embeds_after(schedule, embed, embed_weights, split(embed_rows)))
 
   carry = loop.first_carry()
   tables = {k: jnp.asarray(v) for k, v in schedule.ticks().items()}
@@ -350,5 +364,44 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
   # are not zero) are added up once, after the loop.
   stage_sum = lambda grads: [g.sum(0) for g in grads]
   return carry['loss'].sum(), (layers.gradients([layer_split.put_back(g) for g in carry['grads']]),
-                               embed_weights.gradients(stage_sum(carry['embed_grads'])),
+                               embed_weights.gradients(
+                                   embedding_grads(embed, embed_weights, embed_rows,
+                                                   carry['embedded_grads'], loop.place_grads[1])
+                                   if loop.embed_after else stage_sum(carry['embed_grads'])),
                                tail_weights.gradients(stage_sum(carry['tail_grads'])))
+
+
+def placed_vocabulary(weights, placements):
+  """(layers, embedding, tail) weights with the embedding's and tail's placed for the loop."""
+  placed = lambda tree, places: jax.tree.map(lambda a, place: place(a), tree, places)
+  return weights[0], placed(weights[1], placements[2]), placed(weights[2], placements[3])
+
+
+def embeds_after(schedule: PipelineSchedule, embed, embed_weights: _Trained,
+                 micro_embed_rows) -> bool:
+  """Whether the embedding's gradient is formed once after the loop, from its outputs' gradients
+  kept per microbatch, rather than summed at every tick: where those take fewer bytes than the
+  gradient's fp32 sum, which at every tick is a [vocabulary, d_model] scatter and a reduction over
+  the data-parallel devices. The outputs' gradients are counted for the whole batch, all the
+  data-parallel devices' together (one device keeps its share), so the choice errs towards the
+  sum. (1b, a 128k vocabulary, batch 16 x 512 tokens: 32 MiB of outputs' gradients against a
+  1 GiB table; 7b, a 32k vocabulary, batch 64 x 4096: 2 GiB against 0.49 GiB.)"""
+  if not embed_weights.indices:
+    return False
+  output = jax.eval_shape(embed, jax.tree.unflatten(embed_weights.treedef, embed_weights.leaves),
+                          _take(micro_embed_rows, 0))
+  kept = schedule.microbatches * output.size * output.dtype.itemsize
+  table = sum(a.size * 4 for a in embed_weights.trained())
+  return kept < table
+
+
+def embedding_grads(embed, embed_weights: _Trained, embed_rows, embedded_grads, places) -> list:
+  """The embedding's trained weights' gradients, from the first stage's gradients of its
+  microbatches' outputs (`embedded_grads` [stages, microbatches, rows / M, ...]): one vjp of the
+  embedding over the whole batch, once per step."""
+  if not embed_weights.indices:
+    return []
+  outputs = join_rows(embedded_grads[0])
+  _, pullback = jax.vjp(lambda w: embed(embed_weights.with_trained(w), embed_rows).astype(
+      outputs.dtype), embed_weights.trained())
+  return [place(g) for g, place in zip(pullback(outputs)[0], places)]

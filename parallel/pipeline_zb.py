@@ -29,9 +29,8 @@ from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
 from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
-from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _kept, _placed, _take,
-                                    _Trained)
-from parallel.rules import REPLICATED
+from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
+                                    placed_vocabulary)
 from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
 
@@ -43,16 +42,6 @@ class ZeroBubble(OneFOneB):
   def _loop(self):
     return _run
 
-  def _placements(self, axes):
-    """OneFOneB's, and where the embedding's and tail's weights go before the loop: whole over
-    `fsdp` (ZeRO-3 gathers them once per step, as it does the stage's layers; used inside the
-    loop's branches, they would be gathered at every tick)."""
-    layers, gradients = super()._placements(axes)
-    if self.rules is None:
-      return layers, gradients, _kept(axes[1]), _kept(axes[2])
-    return (layers, gradients, _placed(axes[1], REPLICATED, False),
-            _placed(axes[2], REPLICATED, False))
-
 
 def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_rows, tail,
          targets, seed, weights, wanted):
@@ -63,9 +52,7 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   P, M = schedule.stages, schedule.microbatches
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
-  placed_tree = lambda tree, places: jax.tree.map(lambda a, p: p(a), tree, places)
-  weights = (weights[0], placed_tree(weights[1], placements[2]),
-             placed_tree(weights[2], placements[3]))
+  weights = placed_vocabulary(weights, placements)
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
   layer_split = schedule.layer_split(layers.leaves[0].shape[0])
   split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)

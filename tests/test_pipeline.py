@@ -9,6 +9,7 @@ import pytest
 
 from configs import default
 from configs.layouts import layout_config
+from parallel import pipeline_1f1b
 from parallel.pipeline import PipelineSchedule
 from parallel.stage_layers import LayerSplit
 from tests.helpers import random_tokens, reordered_rtol
@@ -254,6 +255,22 @@ def test_a_split_gives_every_layer_one_running_slot_in_model_order(layers, stage
   assert taken.shape == (stages, repeats, split.depth, 3)
   np.testing.assert_array_equal(taken[valid], stack[index[valid]])
   np.testing.assert_array_equal(np.asarray(split.put_back(taken)), stack)
+
+
+def test_1f1b_forms_the_embedding_gradient_once_where_that_keeps_less(monkeypatch):
+  """8 rows of 16 tokens: their embedding outputs' gradients (32 KiB) are kept through the loop
+  and the embedding's gradient formed once after it, rather than its 64 KiB table's gradient summed
+  at every tick (the cases above, at 16 rows, sum it); equal to one device either way."""
+  formed = []
+  once = pipeline_1f1b.embedding_grads
+  monkeypatch.setattr(pipeline_1f1b, 'embedding_grads', lambda *a: formed.append(1) or once(*a))
+  want_losses, want_params, _ = train(single_device(8), devices=jax.devices()[:1])
+  losses, params, s = train(config(8, **{'parallel.pipeline_schedule': '1f1b'}))
+  assert formed
+  np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(8 * s.config.train.seq_len))
+  lr = s.config.train.learning_rate
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    assert np.abs(got - want).max() <= 0.1 * lr
 
 
 @pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b', 'zb_h1'])
