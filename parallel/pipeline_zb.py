@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
-                                    placed_vocabulary)
+                                    embedding_grads, embeds_after, placed_vocabulary)
 from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
 
@@ -63,7 +63,7 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   stage_valid = layer_split.valid()
   place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
   loop = _Stage(schedule.zero_bubble, layer, layers, embed_weights, tail_weights, embed, tail,
-                place_grads)
+                place_grads, embeds_after(schedule, embed, embed_weights, split(embed_rows)))
 
   stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
   run = jax.shard_map(
@@ -71,14 +71,17 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
       in_specs=(stage, stage if keys is not None else whole,
                 stage if stage_valid is not None else whole, whole, whole, whole, whole, whole,
                 whole),
-      out_specs=(stage, stage, stage, stage))
-  loss, grads, embed_grads, tail_grads = run(
+      out_specs=(stage, stage, stage, stage, stage))
+  loss, grads, embed_grads, embedded_grads, tail_grads = run(
       stage_leaves, stage_keys, stage_valid, embed_weights.trained(), tail_weights.trained(),
       split(rows),
       split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
   stage_sum = lambda grads: [g.sum(0) for g in grads]
   return loss.sum(), (layers.gradients([layer_split.put_back(g) for g in grads]),
-                      embed_weights.gradients(stage_sum(embed_grads)),
+                      embed_weights.gradients(
+                          embedding_grads(embed, embed_weights, embed_rows, embedded_grads,
+                                          place_grads[1])
+                          if loop.embed_after else stage_sum(embed_grads)),
                       tail_weights.gradients(stage_sum(tail_grads)))
 
 
@@ -94,11 +97,13 @@ class _Stage:
   embed: Any           # embed(weights, rows) -> one microbatch's first block input
   tail: Any            # tail(weights, hidden, targets, microbatch) -> its loss sum
   place_grads: list    # per (layers, embedding, tail): a placement per trained leaf
+  embed_after: bool    # the embedding's gradient formed after the loop (pipeline_1f1b.py)
 
   def run(self, stage_leaves, stage_keys, stage_valid, embed_trained, tail_trained, micro_rows,
           micro_embed_rows, micro_targets, seed):
-    """(loss, gradients of the chunk's, embedding's and tail's trained weights), each with a
-    leading axis of 1: this stage's share, stacked over `stage` by the shard_map."""
+    """(loss, gradients of the chunk's, embedding's (or its outputs', `embed_after`) and tail's
+    trained weights), each with a leading axis of 1: this stage's share, stacked over `stage` by
+    the shard_map."""
     me = jax.lax.axis_index(STAGE_AXIS)
     leaves = [a[0, 0] for a in stage_leaves]   # the stage's one chunk, [chunk, ...] each
     loop = _StageLoop(self, me, leaves, self.layers.trained(leaves),
@@ -111,7 +116,8 @@ class _Stage:
     carry = jax.lax.scan(loop.tick, loop.first_carry(), table)[0]
     one = lambda a: a[None]
     return (one(carry['loss']), [g[None] for g in carry['grads']],
-            [one(g) for g in carry['embed_grads']], [one(g) for g in carry['tail_grads']])
+            [one(g) for g in carry['embed_grads']], jax.tree.map(one, carry['embedded_grads']),
+            [one(g) for g in carry['tail_grads']])
 
 
 class _StageLoop:
@@ -176,9 +182,15 @@ class _StageLoop:
     return c
 
   def input_grad(self, c, m, kept, dy):
-    """B: the gradient of the chunk's input (on the first stage, of the embedding's weights)."""
+    """B: the gradient of the chunk's input (on the first stage, of the embedding's weights, or
+    kept for them)."""
     dx = self.residuals.pullback(kept)(dy)[1]
     c['backward_out'] = stream(dx.astype(self.x0.dtype))
+    if self.s.embed_after:
+      e = c['embedded_grads']
+      c['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
+          e, jnp.where(self.first, dx.astype(e.dtype), e[m]), m, 0)
+      return c
     embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_trained)[1]
     c['embed_grads'] = jax.lax.cond(
         self.first, lambda g: _added(g, embed_vjp()(dx.astype(self.activation.dtype))[0], True,
@@ -210,7 +222,7 @@ class _StageLoop:
     kept, dy = [k[slot] for k in carry['kept']], carry['dy'][slot]
     carry.update(jax.lax.cond(
         t['action'] == BACKWARD_INPUT, self.input_grad, lambda c, m, kept, dy: c,
-        changes('backward_out', 'embed_grads'), t['micro'], kept, dy))
+        changes('backward_out', 'embed_grads', 'embedded_grads'), t['micro'], kept, dy))
     carry.update(jax.lax.cond(
         t['action'] == BACKWARD_WEIGHTS, self.weight_grad, lambda c, kept, dy: c,
         changes('grads'), kept, dy))
@@ -235,7 +247,9 @@ class _StageLoop:
         'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
         'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in self.residuals.item_shapes],
         'grads': zeros(self.trained, places[0], (1,)),
-        'embed_grads': zeros(self.embed_trained, places[1]),
+        'embed_grads': [] if self.s.embed_after else zeros(self.embed_trained, places[1]),
+        'embedded_grads': (jnp.zeros((self.s.tables.microbatches,) + self.activation.shape,
+                                     self.activation.dtype) if self.s.embed_after else None),
         'tail_grads': zeros(self.tail_trained, places[2]),
         'loss': jnp.zeros((), jnp.float32),
     }

@@ -9,7 +9,7 @@ import pytest
 
 from configs import default
 from configs.layouts import layout_config
-from parallel import pipeline_1f1b
+from parallel import pipeline_1f1b, pipeline_zb
 from parallel.pipeline import PipelineSchedule
 from parallel.stage_layers import LayerSplit
 from tests.helpers import random_tokens, reordered_rtol
@@ -257,15 +257,19 @@ def test_a_split_gives_every_layer_one_running_slot_in_model_order(layers, stage
   np.testing.assert_array_equal(np.asarray(split.put_back(taken)), stack)
 
 
-def test_1f1b_forms_the_embedding_gradient_once_where_that_keeps_less(monkeypatch):
+@pytest.mark.parametrize('schedule', ['1f1b', 'zb_h1'])
+def test_the_embedding_gradient_is_formed_once_where_that_keeps_less(schedule, monkeypatch):
   """8 rows of 16 tokens: their embedding outputs' gradients (32 KiB) are kept through the loop
   and the embedding's gradient formed once after it, rather than its 64 KiB table's gradient summed
   at every tick (the cases above, at 16 rows, sum it); equal to one device either way."""
   formed = []
   once = pipeline_1f1b.embedding_grads
-  monkeypatch.setattr(pipeline_1f1b, 'embedding_grads', lambda *a: formed.append(1) or once(*a))
+  counted = lambda *a: formed.append(1) or once(*a)
+  monkeypatch.setattr(pipeline_1f1b, 'embedding_grads', counted)
+  monkeypatch.setattr(pipeline_zb, 'embedding_grads', counted)
   want_losses, want_params, _ = train(single_device(8), devices=jax.devices()[:1])
-  losses, params, s = train(config(8, **{'parallel.pipeline_schedule': '1f1b'}))
+  losses, params, s = train(config(8, **{'parallel.pipeline_schedule': schedule,
+                                         'parallel.pipeline_microbatches': 4}))
   assert formed
   np.testing.assert_allclose(losses, want_losses, rtol=reordered_rtol(8 * s.config.train.seq_len))
   lr = s.config.train.learning_rate
