@@ -83,7 +83,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
       pipeline_repeats=1,                 # circular, interleaved_1f1b: layer chunks per stage
       pipeline_stage_layers='',           # layers per chunk in model order ('7,8,8,7'); '':
                                           # chunks of ceil(layers / chunks), the last ones less
-                                          # (any layer count on any stage count)
+                                          # (any layer count on any stage count; with
+                                          # mesh.stage=1, as the other pipeline_* keys, unused)
       pipeline_gather_once=False,         # gpipe, circular under ZeRO-3: each stage's weights
                                           # gathered once per step, not at every iteration (the
                                           # 1f1b schedules always do); holds them whole
