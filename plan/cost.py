@@ -23,13 +23,16 @@ printed with every plan.
 - With the optimizer state in host memory (`parallel.offload_optimizer`), the update also streams
   that state (fp32 master and moments) to the device and back over the host link (PCIe or
   NVLink-C2C), not overlapped: the update runs after the backward pass.
-- Pipeline stages (GPipe or 1F1B, offered for targets beyond one node; the mesh is stage-major,
-  so a stage's data-parallel and tensor devices are neighbours): compute stretched by the bubble,
-  (M + P - 1) / M, the same for both; 1F1B recomputes each chunk's forward in its backward (one
-  more forward pass) and under ZeRO-3 gathers a stage's weights once per step; ZeRO-2/3's other
-  per-microbatch collectives once per loop iteration; and the collective-permutes of the
-  activation (forward) and its gradient (backward) at every iteration, over the network between
-  nodes, not overlapped.
+- Pipeline stages (GPipe, circular, 1F1B, interleaved 1F1B or ZB-H1, offered for targets beyond
+  one node; the mesh is stage-major, so a stage's data-parallel and tensor devices are
+  neighbours): compute stretched by the bubble, (M R + P - 1) / (M R) with R chunks a stage (ZB-H1:
+  (3M + P - 1) / 3M); 1F1B, interleaved 1F1B and circular recompute each chunk's forward in its
+  backward (one more forward pass); the 1F1B schedules and ZB-H1 under ZeRO-3 gather a stage's
+  weights once per step; ZeRO-2/3's other per-microbatch collectives once per loop iteration, of
+  one chunk's weights; with R > 1, the weights' and gradients' re-layout over the stages once per
+  step; and the collective-permutes of the activation (forward) and its gradient (backward) at
+  every iteration, over the network between nodes, not overlapped. A stage runs ceil(L / P)
+  layers.
 - Context shards (offered within a node, `mesh.context`): each layer's keys and values all-gathered
   for its forward pass (and again where remat replays it) and their gradients reduce-scattered,
   over NVLink, not overlapped (the attention waits for them); or passed around a ring (the
@@ -62,8 +65,9 @@ class Recipe:
   stages: int = 1                  # pipeline stages, across nodes
   pipeline_microbatches: int = 1   # what the pipeline splits each microbatch into
   offload: bool = False            # the optimizer's state in host memory
-  schedule: str = 'gpipe'          # with stages: gpipe, 1f1b (parallel/pipeline_1f1b.py) or
-                                   # zb_h1 (parallel/pipeline_zb.py)
+  schedule: str = 'gpipe'          # with stages: gpipe, circular, 1f1b, interleaved_1f1b
+                                   # (parallel/pipeline_1f1b.py) or zb_h1 (parallel/pipeline_zb.py)
+  repeats: int = 1                 # circular, interleaved_1f1b: layer chunks per stage
   context: int = 1                 # shards of each sequence (models/context.py), within a node
   context_attention: str = 'gather'   # with context: gather or ring (model.context_attention)
 
@@ -75,22 +79,30 @@ class Recipe:
   @property
   def pipeline_iterations(self) -> int:
     """Ticks of the pipeline's loop per microbatch of the accumulation: each a forward and a
-    whole backward (gpipe, 1f1b), or one of F, B and W per stage (zb_h1: its tables' count)."""
+    whole backward of one chunk (gpipe, 1f1b; circular and interleaved_1f1b, a stage's 1 / R of
+    its layers: M R + P - 1 of them), or one of F, B and W per stage (zb_h1: its tables' count)."""
     if self.schedule == 'zb_h1':
       return 3 * self.pipeline_microbatches + self.stages - 1
-    return self.pipeline_microbatches + self.stages - 1
+    return self.pipeline_microbatches * self.repeats + self.stages - 1
 
   @property
   def pipeline_work(self) -> int:
-    """Of those ticks, the ones a stage works (the rest is the bubble), and under gpipe and 1f1b
-    the ones it computes (its vmap computes the bubble's too; zb_h1's branches do not)."""
+    """Of those ticks, the ones a stage works (the rest is the bubble), and under the vmapped
+    schedules the ones it computes (its vmap computes the bubble's too; zb_h1's branches do not)."""
     if self.schedule == 'zb_h1':
       return 3 * self.pipeline_microbatches
-    return self.pipeline_microbatches
+    return self.pipeline_microbatches * self.repeats
+
+  @property
+  def recomputes(self) -> bool:
+    """Whether each chunk's forward runs again in its backward (1f1b and interleaved_1f1b's
+    backward slot, circular's checkpointed chunk): one more forward pass."""
+    return self.stages > 1 and self.schedule in ('1f1b', 'interleaved_1f1b', 'circular')
 
   def __str__(self):
+    chunks = f', {self.repeats} chunks a stage' if self.repeats > 1 else ''
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
-                f'({self.schedule})' if self.stages > 1 else '')
+                f'({self.schedule}{chunks})' if self.stages > 1 else '')
     offload = ', optimizer state in host memory' if self.offload else ''
     context = (f', context {self.context} ({self.context_attention})' if self.context > 1
                else '')
@@ -110,36 +122,37 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # The devices that share one copy of the model: the data-parallel ones and the context shards.
   dp = n // (t * P)
   tokens = batch * seq_len
-  # A pipeline's stages idle for the bubble: (M + P - 1) iterations of work for M (zb_h1: 3M + P
-  # - 1 ticks for 3M).
+  # A pipeline's stages idle for the bubble: (M R + P - 1) iterations of work for M R (zb_h1:
+  # 3M + P - 1 ticks for 3M).
   bubble = recipe.pipeline_iterations / recipe.pipeline_work
   flops = (cfg.flops_per_token(seq_len, base_trains)
            + (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
-  one_f_one_b = P > 1 and recipe.schedule == '1f1b'
-  if one_f_one_b:   # each chunk's forward runs again in its backward slot
+  if recipe.recomputes:   # each chunk's forward runs again in its backward
     flops += cfg.flops_per_token(seq_len) / 3
-  # Stages run in step, each as deep as the deepest: ceil(L / P) layers where P does not divide L
-  # (the default split: parallel/stage_layers.py).
-  stage_layers = -(-cfg.num_layers // P)
+  # Stages run in step, each as deep as the deepest: R chunks of ceil(L / (P R)) layers where P R
+  # does not divide L (the default split: parallel/stage_layers.py).
+  stage_layers = recipe.repeats * -(-cfg.num_layers // (P * recipe.repeats))
   uneven = P * stage_layers / cfg.num_layers
   compute = flops * tokens * bubble * uneven / (n * target.peak_bf16 * MFU_ASSUMED)
 
   weights = cfg.num_params * param_bytes / (t * P)   # one tensor shard of a stage's weights
+  chunk = weights / recipe.repeats   # what one iteration of the loop computes with
   f = (dp - 1) / dp
   # Per microbatch, and in a pipeline per iteration of its loop (bubble included): ZeRO-2/3's
   # gradient reduction, and ZeRO-3's gathers (measured at 70B with full remat: the compiler
   # gathers a stage's weights at every iteration, 2.5x the unpipelined bytes at M = 4, P = 2).
   # (zb_h1: per microbatch, its F, B and W compute as one iteration of the others, and its W
-  # reduces the gradient.)
+  # reduces the gradient.) With R chunks a stage, an iteration's are one chunk's.
   zero_bubble = P > 1 and recipe.schedule == 'zb_h1'
   m = recipe.microbatches * (recipe.pipeline_microbatches if zero_bubble else
                              recipe.pipeline_iterations if P > 1 else 1)
-  dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: (m + 1) * f * weights,
-              3: m * 3 * f * weights}[recipe.zero_stage]
-  # 1F1B and zb_h1 under ZeRO-3 gather a stage's weights once per step and reduce at every tick
-  # (zb_h1: every W).
-  if (one_f_one_b or zero_bubble) and zero_shards(recipe.zero_stage, 'params'):
-    dp_bytes = (recipe.microbatches + m) * f * weights
+  dp_bytes = {0: 2 * f * weights, 1: 2 * f * weights, 2: m * f * chunk + f * weights,
+              3: m * 3 * f * chunk}[recipe.zero_stage]
+  # The 1F1B schedules and zb_h1 under ZeRO-3 gather a stage's weights once per step and reduce
+  # at every tick (zb_h1: every W).
+  backward_in_loop = P > 1 and recipe.schedule in ('1f1b', 'interleaved_1f1b', 'zb_h1')
+  if backward_in_loop and zero_shards(recipe.zero_stage, 'params'):
+    dp_bytes = recipe.microbatches * f * weights + m * f * chunk
   # zb_h1 with replicated gradients has no per-device accumulation (train/run.py): each W's
   # gradient is all-reduced.
   if zero_bubble and not zero_shards(recipe.zero_stage, 'grads'):
@@ -150,7 +163,8 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
 
   rows = batch // (dp // c * recipe.microbatches * recipe.pipeline_microbatches)
   activation = rows * seq_len // c * cfg.d_model * compute_bytes
-  all_reduces = stage_layers * m * (6 if recipe.remat == 'full' else 4)
+  chunk_layers = stage_layers / recipe.repeats   # the layers an iteration runs
+  all_reduces = chunk_layers * m * (6 if recipe.remat == 'full' else 4)
   tp_bytes = all_reduces * 2 * (t - 1) / t * activation if t > 1 else 0.0
   tp_comm = tp_bytes / target.intra_node
   # Every iteration each stage sends its activation on and, backward, its gradient back: over the
@@ -159,6 +173,10 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # (zb_h1 sends both at every tick, 3M + P - 1 of them.)
   ticks = recipe.microbatches * recipe.pipeline_iterations
   pipeline_bytes = 2 * ticks * activation / t if P > 1 else 0.0
+  # With R chunks a stage, chunk r P + p on stage p: the stored contiguous blocks are re-laid
+  # out once per step, the weights and (backward) their gradients, an all-to-all over the stages.
+  if recipe.repeats > 1:
+    pipeline_bytes += 2 * weights * (P - 1) / P
   pipeline_comm = pipeline_bytes / permute_link
   # Context shards gather every layer's keys and values (again under remat) and reduce-scatter
   # their gradients: in front of the attention that needs them, so on the critical path. A ring
@@ -170,7 +188,7 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   context_bytes = 0.0
   if c > 1:
     backward = (1 + 4 / compute_bytes) if ring else 1   # the fp32 gradients travel with them
-    context_bytes = stage_layers * m * (forward_passes + backward) * (c - 1) / c * kv
+    context_bytes = chunk_layers * m * (forward_passes + backward) * (c - 1) / c * kv
   context_comm = context_bytes / target.intra_node
 
   sharded = cfg.num_params / (t * P * (dp if zero_shards(recipe.zero_stage, 'optimizer') else 1))

@@ -6,8 +6,8 @@ with XLA:CPU on as many simulated devices. The estimate ranks as the verifying c
 
 A recipe is precision x Adam bits x ZeRO stage x tensor degree x context shards (long sequences)
 x remat x microbatches, and on
-targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe, 1F1B or zb_h1,
-plan/cost.py);
+targets of several nodes pipeline stages x pipeline microbatches x schedule (GPipe, circular,
+1F1B, interleaved 1F1B or zb_h1; the two with several chunks a stage at 2, plan/cost.py);
 the model, global batch and sequence length stay the config's, and so do its LoRA adapters and
 frozen-base storage (a LoRA config is sized with only the adapters training, and its compute has
 no weight gradients). A recipe fits when its per-device
@@ -38,6 +38,9 @@ HOST_MARGIN = 0.20   # of a node's host memory, kept for the OS, the data loader
 PRECISIONS = ('bf16_master', 'bf16_mixed', 'bf16')
 ADAM_BITS = (32, 8)
 REMATS = ('none', 'dots', 'full')
+# The pipeline schedules offered across nodes, with their chunks a stage (parallel/pipeline.py).
+PIPELINE_SCHEDULES = (('gpipe', 1), ('1f1b', 1), ('zb_h1', 1), ('circular', 2),
+                      ('interleaved_1f1b', 2))
 MAX_COMPILES = 6
 CONTEXT_MIN_CHUNK = 512   # positions per zigzag chunk: one GPU flash block
 
@@ -78,7 +81,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.train.microbatches = recipe.microbatches
   config.parallel.pipeline_schedule = recipe.schedule
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
-  config.parallel.pipeline_repeats = 1
+  config.parallel.pipeline_repeats = recipe.repeats
   config.parallel.pipeline_stage_layers = ''   # the default split of the recipe's stages
   config.parallel.offload_optimizer = recipe.offload
   config.model.context_attention = recipe.context_attention
@@ -114,14 +117,18 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
       if bits == 8 and config.lora.rank:   # the adapters' moments are too small to matter
         continue
       # A pipeline: any count of pipeline microbatches from the stage count up that divides the
-      # rows, under GPipe, 1F1B (same bubble; 1F1B keeps less, recomputes more) or zb_h1 (a third
-      # of the bubble, no recomputation, the chunk's residuals kept for P + 1 microbatches).
+      # rows, under GPipe, 1F1B (same bubble; 1F1B keeps less, recomputes more), their two-chunk
+      # forms circular and interleaved 1F1B (half the bubble, the weights re-laid out once a
+      # step; interleaved 1F1B takes the microbatches in groups of P) or zb_h1 (a third of the
+      # bubble, no recomputation, the chunk's residuals kept for P + 1 microbatches).
       for pm in [1] if p == 1 else [d for d in _divisors(batch // (dp * m)) if d >= p]:
-        schedules = ['gpipe'] if p == 1 else ['gpipe', '1f1b', 'zb_h1']
-        for schedule, method in itertools.product(schedules,
-                                                  ['gather'] if c == 1 else ['gather', 'ring']):
+        schedules = [('gpipe', 1)] if p == 1 else [
+            (name, repeats) for name, repeats in PIPELINE_SCHEDULES
+            if cfg.num_layers >= p * repeats and not (name == 'interleaved_1f1b' and pm % p)]
+        for (schedule, repeats), method in itertools.product(
+            schedules, ['gather'] if c == 1 else ['gather', 'ring']):
           found.append(Recipe(precision, bits, stage, t, remat, m, p, pm, schedule=schedule,
-                              context=c, context_attention=method))
+                              repeats=repeats, context=c, context_attention=method))
           # The optimizer state in host memory: streamed a layer at a time, so 32-bit Adam and
           # no pipeline (train/checks.py:offload).
           if bits == 32 and p == 1:
@@ -148,6 +155,7 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,
+                    repeats=recipe.repeats,
                     backend=backend, offload_optimizer=recipe.offload,
                     packed=bool(config.data.packing),
                     scheduling_memory=scheduling_memory(target) if backend == 'gpu' else 0)

@@ -209,7 +209,9 @@ def _modelled(f: PointFiles) -> dict | None:
   recipe = Recipe(precision=config.precision, adam_bits=config.quant.adam_bits,
                   zero_stage=parallel.zero_stage, tensor=mesh['tensor'], remat=config.model.remat,
                   microbatches=train.microbatches, stages=mesh['stage'],
-                  pipeline_microbatches=parallel.pipeline_microbatches if mesh['stage'] > 1 else 1)
+                  **({} if mesh['stage'] == 1 else dict(
+                      pipeline_microbatches=parallel.pipeline_microbatches,
+                      schedule=parallel.pipeline_schedule, repeats=parallel.pipeline_repeats)))
   cfg = model_config(config)
   base_trains = not config.lora.rank
   seconds = step_seconds(cfg, recipe, train.batch_size, train.seq_len,

@@ -84,12 +84,25 @@ def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
   assert seconds(piped)['pipeline_comm'] > 0 == seconds(flat)['pipeline_comm']
   # Zero bubble: 3M + P - 1 ticks of F, B or W for 3M (a third of the bubble), two activations
   # sent at every tick.
-  assert {r.schedule for r in staged} == {'gpipe', '1f1b', 'zb_h1'}
+  assert {(r.schedule, r.repeats) for r in staged} == {
+      ('gpipe', 1), ('1f1b', 1), ('zb_h1', 1), ('circular', 2), ('interleaved_1f1b', 2)}
   zero_bubble = dataclasses.replace(piped, schedule='zb_h1')
   assert seconds(zero_bubble)['compute'] == pytest.approx(
       seconds(flat)['compute'] * (48 + 3) / 48)
   assert seconds(zero_bubble)['pipeline_comm'] == pytest.approx(
       seconds(piped)['pipeline_comm'] * (48 + 3) / (16 + 3))
+  # Two chunks a stage: M R + P - 1 iterations for M R, so half the bubble of 1F1B, which
+  # recomputes as interleaved 1F1B does; an activation sent at every iteration, and the weights
+  # and their gradients re-laid out over the stages once a step.
+  one_f_one_b = dataclasses.replace(piped, schedule='1f1b')
+  interleaved = dataclasses.replace(piped, schedule='interleaved_1f1b', repeats=2)
+  assert seconds(interleaved)['compute'] / seconds(one_f_one_b)['compute'] == pytest.approx(
+      (32 + 3) / 32 / ((16 + 3) / 16))
+  circular = dataclasses.replace(piped, schedule='circular', repeats=2)
+  assert seconds(circular)['compute'] == pytest.approx(seconds(interleaved)['compute'])
+  assert seconds(circular)['pipeline_bytes'] > seconds(piped)['pipeline_bytes'] * (32 + 3) / (16 + 3)
+  assert not any(r.schedule == 'interleaved_1f1b' and r.pipeline_microbatches % r.stages
+                 for r in staged)
 
 
 def test_the_chosen_recipe_compiles_within_the_target(tmp_path, monkeypatch):
