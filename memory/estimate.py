@@ -1077,11 +1077,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # take the chunks' layers out of the stored stack whole over `fsdp`, and put their gradients
   # back the same way (1b, 15 layers as 3,4,4,4 on 4 stages x 2-way ZeRO-3: +1.74 GiB against
   # 4,4,4,3, two sets of the stage's fp32 layer weights at 1.81; the 1f1b schedules take them
-  # with their once-per-step gather, no more memory). XLA:GPU keeps them in shards: the same
-  # step compiled for 8 H100s is 7.13 GiB as 3,4,4,4 and 7.35 GiB as 4,4,4,3.
+  # with their once-per-step gather, no more memory). XLA:GPU keeps them in their ZeRO-3 shards:
+  # the same step compiled for 8 H100s is 7.13 GiB as 3,4,4,4 and 7.35 GiB as 4,4,4,3 (below
+  # ZeRO-3, not measured: counted).
   taken = (2 * stage_layers * p / shape.tensor
            if shape.takes_layers(cfg) and not shape.backward_in_loop and not shape.stage_whole
-           and not on_gpu(shape) else 0)
+           and not (on_gpu(shape) and shape.sharded('params')) else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).

@@ -31,8 +31,8 @@ printed with every plan.
   weights once per step; ZeRO-2/3's other per-microbatch collectives once per loop iteration, of
   one chunk's weights; with R > 1, the weights' and gradients' re-layout over the stages once per
   step; and the collective-permutes of the activation (forward) and its gradient (backward) at
-  every iteration, over the network between nodes, not overlapped. A stage runs ceil(L / P)
-  layers.
+  every tick, over the network between nodes, not overlapped. A stage runs R chunks of
+  ceil(L / (P R)) layers.
 - Context shards (offered within a node, `mesh.context`): each layer's keys and values all-gathered
   for its forward pass (and again where remat replays it) and their gradients reduce-scattered,
   over NVLink, not overlapped (the attention waits for them); or passed around a ring (the
@@ -94,10 +94,21 @@ class Recipe:
     return self.pipeline_microbatches * self.repeats
 
   @property
+  def pipeline_ticks(self) -> int:
+    """Ticks at which every stage sends its activation on and its gradient back: the 1F1B
+    schedules' loop runs R P + M R + P - 2 (parallel/pipeline.py: PipelineSchedule.iterations),
+    the others one per iteration."""
+    if self.stages > 1 and self.schedule in ('1f1b', 'interleaved_1f1b'):
+      R, P, M = self.repeats, self.stages, self.pipeline_microbatches
+      return R * P + M * R + P - 2
+    return self.pipeline_iterations
+
+  @property
   def recomputes(self) -> bool:
     """Whether each chunk's forward runs again in its backward (1f1b and interleaved_1f1b's
     backward slot, circular's checkpointed chunk): one more forward pass."""
-    return self.stages > 1 and self.schedule in ('1f1b', 'interleaved_1f1b', 'circular')
+    return self.stages > 1 and (self.schedule in ('1f1b', 'interleaved_1f1b') or (
+        self.schedule == 'circular' and self.repeats > 1))
 
   def __str__(self):
     chunks = f', {self.repeats} chunks a stage' if self.repeats > 1 else ''
@@ -171,7 +182,7 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # network when a stage is a node or more, on the critical path (GPipe does not overlap them).
   permute_link = target.inter_node if n // P >= target.per_node else target.intra_node
   # (zb_h1 sends both at every tick, 3M + P - 1 of them.)
-  ticks = recipe.microbatches * recipe.pipeline_iterations
+  ticks = recipe.microbatches * recipe.pipeline_ticks
   pipeline_bytes = 2 * ticks * activation / t if P > 1 else 0.0
   # With R chunks a stage, chunk r P + p on stage p: the stored contiguous blocks are re-laid
   # out once per step, the weights and (backward) their gradients, an all-to-all over the stages.

@@ -83,6 +83,7 @@ def apply(config: ml_collections.ConfigDict, recipe: Recipe, devices: int):
   config.parallel.pipeline_microbatches = recipe.pipeline_microbatches
   config.parallel.pipeline_repeats = recipe.repeats
   config.parallel.pipeline_stage_layers = ''   # the default split of the recipe's stages
+  config.parallel.pipeline_gather_once = False  # not a recipe's choice (1f1b ones gather once)
   config.parallel.offload_optimizer = recipe.offload
   config.model.context_attention = recipe.context_attention
   return config

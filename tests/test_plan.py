@@ -98,6 +98,12 @@ def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
   interleaved = dataclasses.replace(piped, schedule='interleaved_1f1b', repeats=2)
   assert seconds(interleaved)['compute'] / seconds(one_f_one_b)['compute'] == pytest.approx(
       (32 + 3) / 32 / ((16 + 3) / 16))
+  # The 1F1B schedules' loop runs R P + M R + P - 2 ticks, each sending both ways.
+  assert seconds(one_f_one_b)['pipeline_bytes'] == pytest.approx(
+      seconds(piped)['pipeline_bytes'] * (4 + 16 + 4 - 2) / (16 + 3))
+  # Circular with one chunk a stage is GPipe's program: nothing recomputed.
+  assert seconds(dataclasses.replace(piped, schedule='circular'))['compute'] == pytest.approx(
+      seconds(piped)['compute'])
   circular = dataclasses.replace(piped, schedule='circular', repeats=2)
   assert seconds(circular)['compute'] == pytest.approx(seconds(interleaved)['compute'])
   assert seconds(circular)['pipeline_bytes'] > seconds(piped)['pipeline_bytes'] * (32 + 3) / (16 + 3)
