@@ -20,8 +20,8 @@ The weights stay stored in model order on a `[num_layers]` axis (checkpoints do 
 layout); that axis is split over `stage` in contiguous blocks, which is GPipe's placement. The
 circular schedule needs chunk c on stage c mod stages, so it re-lays the stacked weights out once
 per step (an all-to-all of each stage's weights, and of their gradients in the backward); so does
-a split of the layers other than the even one (parallel/stage_layers.py: any layer count on any
-stage count).
+a split of the layers other than the storage's blocks (parallel/stage_layers.py: any layer count
+on any stage count).
 """
 import dataclasses
 import functools
@@ -52,7 +52,7 @@ class PipelineSchedule:
   stages: int         # P: the `stage` mesh axis
   microbatches: int   # M: per step (per gradient-accumulation microbatch)
   repeats: int = 1    # R: chunks per stage (1 for gpipe and 1f1b)
-  chunk_layers: tuple[int, ...] = ()   # layers per chunk in model order; (): as even as they go
+  chunk_layers: tuple[int, ...] = ()   # layers per chunk in model order; (): the default split
 
   def layer_split(self, num_layers: int) -> LayerSplit:
     """Which layers each chunk runs (parallel/stage_layers.py)."""

@@ -15,9 +15,10 @@ the deepest chunk's depth would: the stages run in step.
 
 The weights stay stored in model order on their [num_layers] axis, split over `stage` in
 contiguous blocks of ceil(num_layers / stages) (the last blocks padded: parallel/padding.py), so
-checkpoints do not depend on the split. An even split is that storage's own blocks (a reshape);
-any other takes each chunk's layers out of it once per step (a gather across stages, as circular's
-re-layout) and puts their gradients back (`take`, `put_back`).
+checkpoints do not depend on the split. A split that is that storage's own blocks (even, or the
+last chunks shorter: `blocks`) is taken by a reshape; any other takes each chunk's layers out of it
+once per step (a gather across stages, as circular's re-layout) and puts their gradients back
+(`take`, `put_back`).
 """
 import dataclasses
 
