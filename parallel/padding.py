@@ -13,10 +13,11 @@ the padding off at the start of a step and putting zeros back at its end moves n
 devices. The padding holds zeros: it is never read by the model, so it gets zero gradients, zero
 moments and zero updates.
 
-`stage` splits only the stored `layers` axis (a pipeline takes each chunk's layers out of it:
+`stage` splits the stored `layers` axis (a pipeline takes each chunk's layers out of it:
 parallel/stage_layers.py), so 7 layers on 4 stages are stored as 8, the last a layer of zeros that
-no chunk runs. `tensor` splits computation, not only storage; a dimension it does not divide is
-refused (parallel/sharding.py:check_divisible).
+no chunk runs; and the vocabulary, with `tensor`: 50,257 rows on 2 x 2 devices are stored as
+50,260. `tensor` splits heads and hidden dimensions, not only storage; a dimension it does not
+divide is refused (parallel/sharding.py:check_divisible).
 """
 import dataclasses
 import math
@@ -34,9 +35,15 @@ def padded_shape(shape, sharding) -> tuple[int, ...]:
   out = []
   for size, part in zip(shape, spec):
     ways = math.prod(sharding.mesh.shape[a] for a in mesh_axes(part))
-    paddable = set(mesh_axes(part)) <= set(PADDED_AXES)
-    out.append(-(-size // ways) * ways if paddable else size)
+    out.append(-(-size // ways) * ways if paddable(size, part, sharding.mesh) else size)
   return tuple(out)
+
+
+def paddable(size: int, part, mesh) -> bool:
+  """Whether a dimension of `size` that PartitionSpec entry `part` splits on `mesh` may be
+  padded: where the axes of `part` that are not padded ones (`tensor`) divide it."""
+  unpadded = [a for a in mesh_axes(part) if a not in PADDED_AXES]
+  return size % math.prod(mesh.shape[a] for a in unpadded) == 0
 
 
 def padded_abstract(abstract, shardings):

@@ -13,8 +13,10 @@ Written as a vmap over stages whose mapped axis is laid on the `stage` mesh axis
 (`spmd_axis_name`): each stage's program is the one block stack the model defines, and the
 `data`, `fsdp` and `tensor` axes keep working inside a stage exactly as without a pipeline. The
 backward pass is the autodiff of the loop: all forwards, then all backwards (GPipe's order).
-The embedding and the head are shared: every stage holds them (split as the layout says) and
-computes them on the whole batch, outside the pipeline.
+The embedding and the head are shared among the stages: their tables are split over `stage` by
+the vocabulary (as over `tensor`; parallel/rules.py), and they run on the whole batch outside the
+pipeline, each stage looking up and projecting onto its share of the vocabulary (1b on 4 stages x
+2-way ZeRO-3, XLA:CPU: 4.5 GiB per device against 9.9 with the tables whole on every stage).
 
 The weights stay stored in model order on a `[num_layers]` axis (checkpoints do not depend on the
 layout); that axis is split over `stage` in contiguous blocks, which is GPipe's placement. The

@@ -12,9 +12,11 @@ bubble costs no more than GPipe's.
 The backward slot of an item recomputes its chunk's forward from the stage input kept at its
 forward (as the circular schedule does) and takes the chunk's vjp: the kept inputs are the only
 activations that live from one tick to the next, `PipelineSchedule.in_flight` of them per stage
-(2 R P - 1 at most). The head and the loss run inside the loop on the last stage, one microbatch
-at a time, as soon as its last chunk's forward ends: its gradient starts that microbatch's backward
-in the same tick.
+(2 R P - 1 at most). The head and the loss run inside the loop, one microbatch at a time, as soon
+as its last chunk's forward ends on the last stage: its gradient starts that microbatch's backward
+in the same tick. They, and the embedding, run between the stages' vmaps, where the vocabulary is
+split over `stage` (parallel/rules.py): each stage projects the last stage's output onto its share
+of the vocabulary, so no stage holds a whole table or repeats another's product.
 
 A chunk's layers run as straight-line code where they can: a loop over them inside the tick's
 loop takes its own copy of the stage's weights, and its gradient sums another (XLA's buffers for
@@ -43,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, join_rows, on_stages, pipelined,
                                scan_chunk, split_rows)
-from parallel.rules import REPLICATED, LayoutRules
+from parallel.rules import REPLICATED, LayoutRules, without_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,7 @@ class OneFOneB:
   seed: jax.Array | None = None      # the cotangent the loss sum will get (train/step.py)
 
   runs_loss = True   # models/llama.py: hand this stack the head and loss
+  stage_manual = False   # the loop is a vmap over `stage` (ZeroBubble's: a shard_map)
 
   def __call__(self, layer, layers, x, keys, rows=None):
     return pipelined(self.schedule.forward_schedule)(layer, layers, x, keys, rows)
@@ -106,14 +109,19 @@ class OneFOneB:
     loop anyway, in a layout that takes more: 100m, 0.73 against 0.41 GiB of temp); its gradient
     is split as the layout's gradients are (ZeRO-2/3: summed into the shard at every tick, a
     reduce-scatter). The embedding's and tail's weights are whole over `fsdp` too (used inside
-    the loop, ZeRO-3 would gather them at every tick)."""
+    the loop, ZeRO-3 would gather them at every tick), and their vocabulary stays split over
+    `tensor` and `stage` (`stage_manual`: whole over `stage`, for a loop in which each stage
+    runs its own branch)."""
     if self.rules is None:
       return _kept(axes[0]), tuple(_kept(a) for a in axes), _kept(axes[1]), _kept(axes[2])
+    vocabulary = ((lambda table: without_axis(table, STAGE_AXIS)) if self.stage_manual else
+                  (lambda table: table))
     gradients = (_placed(axes[0], self.rules.grads, True),
-                 _placed(axes[1], self.rules.grads, False),
-                 _placed(axes[2], self.rules.grads, False))
-    return (_placed(axes[0], REPLICATED, True), gradients, _placed(axes[1], REPLICATED, False),
-            _placed(axes[2], REPLICATED, False))
+                 _placed(axes[1], vocabulary(self.rules.grads), False),
+                 _placed(axes[2], vocabulary(self.rules.grads), False))
+    return (_placed(axes[0], REPLICATED, True), gradients,
+            _placed(axes[1], vocabulary(REPLICATED), False),
+            _placed(axes[2], vocabulary(REPLICATED), False))
 
 
 def _placed(tree, table, stacked: bool):
@@ -220,96 +228,113 @@ class _Loop:
     return lambda trained, y: self.tail(self.tail_weights.with_trained(trained), y, targets_now,
                                         microbatch)
 
-  def forward_slot(self, weight_leaves, stage_keys, valid, carry, t):
-    """The first stage embeds the item's microbatch (every stage computes it; one keeps it); the
-    chunk's input is kept for its backward slot, and the chunk runs. Returns its output."""
-    first = self.embed_of(t['f_micro'])(self.embed_weights.trained())
-    held = jnp.where(t['f_first'], first.astype(carry['forward_in'].dtype), carry['forward_in'])
-    kept = carry['kept']
-    carry['kept'] = jax.lax.dynamic_update_index_in_dim(
+  def forward_slot(self, weight_leaves, stage_keys, valid, staged, t, first):
+    """One stage's forward slot: the first stage takes the item's embedded microbatch (`first`,
+    made once for all stages), the chunk's input is kept for its backward slot, and the chunk
+    runs. Returns (the stage's carry, its output)."""
+    staged = dict(staged)
+    held = jnp.where(t['f_first'], first.astype(staged['forward_in'].dtype), staged['forward_in'])
+    kept = staged['kept']
+    staged['kept'] = jax.lax.dynamic_update_index_in_dim(
         kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
-    return self.chunk_forward(weight_leaves, stage_keys, valid, t['f_chunk'], t['f_micro'], held)
+    return staged, self.chunk_forward(weight_leaves, stage_keys, valid, t['f_chunk'],
+                                      t['f_micro'], held)
 
   def loss_slot(self, carry, t, out, cotangent):
-    """An item leaving its last chunk: its loss, the head's gradient, and the cotangent its
-    backward starts from."""
-    loss, tail_vjp = jax.vjp(self.tail_of(t['f_micro']), self.tail_weights.trained(), out)
-    d_tail, dy = tail_vjp(self.seed)
-    carry['loss'] = carry['loss'] + jnp.where(t['f_last'], loss, 0)
-    carry['tail_grads'] = _added(carry['tail_grads'], d_tail, t['f_last'], self.place_grads[2])
-    return jnp.where(t['b_first'], dy.astype(cotangent.dtype), cotangent)
+    """An item leaving its last chunk on the last stage: its loss, the head's gradient, and the
+    cotangent its backward starts from there. Outside the stages' vmap, so that the head's
+    product is split over the vocabulary's devices (`stage` among them), not repeated on each
+    stage; skipped in the ticks where no item leaves (interleaved: R - 1 in R)."""
+    def head(loss, tail_grads, last_cotangent):
+      loss_now, tail_vjp = jax.vjp(self.tail_of(t['f_micro'][-1]), self.tail_weights.trained(),
+                                   out[-1])
+      d_tail, dy = tail_vjp(self.seed)
+      return (loss + loss_now, _added(tail_grads, d_tail, True, self.place_grads[2]),
+              jnp.where(t['b_first'][-1], dy.astype(last_cotangent.dtype), last_cotangent))
+    carry['loss'], carry['tail_grads'], last_cotangent = jax.lax.cond(
+        t['f_last'][-1], head, lambda *a: a, carry['loss'], carry['tail_grads'], cotangent[-1])
+    return cotangent.at[-1].set(last_cotangent)
 
-  def backward_slot(self, weight_leaves, stage_keys, valid, carry, t, cotangent):
-    """The chunk's vjp from its kept input; its weights' gradient added to its chunk's sum; on the
-    first stage, the embedding's gradient added to its sum, or (`embed_after`) the gradient of
-    the embedding's output kept for it. Returns the gradient of the chunk's input."""
+  def backward_slot(self, weight_leaves, stage_keys, valid, staged, t, cotangent):
+    """One stage's backward slot: the chunk's vjp from its kept input; its weights' gradient
+    added to its chunk's sum. Returns (the stage's carry, the gradient of the chunk's input)."""
     d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, valid, t['b_chunk'],
-                                        t['b_micro'], carry['kept'][t['b_slot']], cotangent)
+                                        t['b_micro'], staged['kept'][t['b_slot']], cotangent)
     grads = []
-    for g, d, place in zip(carry['grads'], d_weights, self.place_grads[0]):
+    for g, d, place in zip(staged['grads'], d_weights, self.place_grads[0]):
       d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
       grads.append(place(g + d[None] if self.schedule.repeats == 1 else
                          jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'],
                                                              0)))
-    carry['grads'] = grads
-    if self.embed_weights.indices and self.embed_after:
+    return {**staged, 'grads': grads}, dx
+
+  def embedding_slot(self, carry, t, dx):
+    """An item's backward leaving the first chunk on the first stage: the embedding's gradient
+    added to its sum, or (`embed_after`) the gradient of the embedding's output kept for it."""
+    if not self.embed_weights.indices:
+      return
+    last, m = t['b_last'][0], t['b_micro'][0]
+    if self.embed_after:
       kept = carry['embedded_grads']
       carry['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
-          kept, jnp.where(t['b_last'], dx.astype(kept.dtype), kept[t['b_micro']]), t['b_micro'], 0)
-    elif self.embed_weights.indices:
-      _, embed_vjp = jax.vjp(self.embed_of(t['b_micro']), self.embed_weights.trained())
-      carry['embed_grads'] = _added(carry['embed_grads'], embed_vjp(dx)[0], t['b_last'],
-                                    self.place_grads[1])
-    return dx
-
-  def stage_tick(self, forward, backward, weight_leaves, stage_keys, valid, carry, t):
-    """One stage's tick: a forward slot (`forward`), then the head and loss where an item leaves
-    the last chunk, then a backward slot (`backward`)."""
-    carry = dict(carry)
-    out = carry['forward_in']
-    if forward:
-      out = self.forward_slot(weight_leaves, stage_keys, valid, carry, t)
-    dx = carry['backward_in']
-    if backward:
-      cotangent = carry['backward_in']
-      if forward:
-        cotangent = self.loss_slot(carry, t, out, cotangent)
-      dx = self.backward_slot(weight_leaves, stage_keys, valid, carry, t, cotangent)
-    return carry, out, dx
+          kept, jnp.where(last, dx[0].astype(kept.dtype), kept[m]), m, 0)
+      return
+    _, embed_vjp = jax.vjp(self.embed_of(m), self.embed_weights.trained())
+    carry['embed_grads'] = _added(carry['embed_grads'], embed_vjp(dx[0])[0], last,
+                                  self.place_grads[1])
 
   def phase(self, forward, backward, carry, tables):
-    """The ticks of `tables`, every stage at once (a vmap laid on `stage`)."""
+    """The ticks of `tables`: every stage's forward slot at once (a vmap laid on `stage`), the
+    embedding and the head where an item enters and leaves, every stage's backward slot."""
     mapped = lambda a: None if a is None else 0
-    run_stages = jax.vmap(
-        lambda w, k, v, c, t: self.stage_tick(forward, backward, w, k, v, c, t),
-        in_axes=(0, mapped(self.stage_keys), mapped(self.stage_valid), 0, 0),
-        spmd_axis_name=STAGE_AXIS)
+    stage_axes = (0, mapped(self.stage_keys), mapped(self.stage_valid), 0, 0)
+    forwards = jax.vmap(self.forward_slot, in_axes=stage_axes + (None,),
+                        spmd_axis_name=STAGE_AXIS)
+    backwards = jax.vmap(self.backward_slot, in_axes=stage_axes + (0,),
+                         spmd_axis_name=STAGE_AXIS)
+    weights = (self.stage_leaves, self.stage_keys, self.stage_valid)
 
     def tick(carry, t):
-      carry, out, dx = run_stages(self.stage_leaves, self.stage_keys, self.stage_valid, carry, t)
+      carry = dict(carry)
+      staged = carry['staged']
+      out = staged['forward_in']
+      if forward:
+        first = self.embed_of(t['f_micro'][0])(self.embed_weights.trained())
+        staged, out = forwards(*weights, staged, t, first)
+      dx = staged['backward_in']
+      if backward:
+        cotangent = staged['backward_in']
+        if forward:
+          cotangent = self.loss_slot(carry, t, out, cotangent)
+        staged, dx = backwards(*weights, staged, t, cotangent)
+        self.embedding_slot(carry, t, dx)
       # Every forward output one stage on, every backward one one stage back (round the ring).
-      return {**carry, 'forward_in': jnp.roll(out, 1, axis=0),
-              'backward_in': jnp.roll(dx, -1, axis=0)}, None
+      carry['staged'] = {**staged, 'forward_in': jnp.roll(out, 1, axis=0),
+                         'backward_in': jnp.roll(dx, -1, axis=0)}
+      return carry, None
     return jax.lax.scan(tick, carry, tables)[0]
 
   def first_carry(self) -> dict:
-    """The loop's state before its first tick: nothing in flight, every sum zero."""
+    """The loop's state before its first tick: nothing in flight, every sum zero. `staged`: what
+    each stage holds, [stages, ...]; the rest is the step's, placed as its gradients are."""
     stages = self.schedule.stages
     shape = jax.eval_shape(self.embed_of(0), self.embed_weights.trained())
     activation = jnp.zeros((stages,) + shape.shape, shape.dtype)
-    zeros = lambda shapes, places: [_in_stages(place)(jnp.zeros((stages,) + a.shape, a.dtype))
+    zeros = lambda shapes, places: [place(jnp.zeros(a.shape, a.dtype))
                                     for a, place in zip(shapes, places)]
     return {
-        'forward_in': activation, 'backward_in': activation,
-        'kept': jnp.zeros((stages, self.schedule.in_flight) + shape.shape, shape.dtype),
-        'grads': zeros([a[0] for a in self.layers.trained(self.stage_leaves)],
-                       self.place_grads[0]),
+        'staged': {
+            'forward_in': activation, 'backward_in': activation,
+            'kept': jnp.zeros((stages, self.schedule.in_flight) + shape.shape, shape.dtype),
+            'grads': [_in_stages(place)(jnp.zeros((stages,) + a[0].shape, a.dtype))
+                      for a, place in zip(self.layers.trained(self.stage_leaves),
+                                          self.place_grads[0])]},
         'embed_grads': ([] if self.embed_after else
                         zeros(self.embed_weights.trained(), self.place_grads[1])),
-        'embedded_grads': (jnp.zeros((stages, self.schedule.microbatches) + shape.shape,
-                                     shape.dtype) if self.embed_after else None),
+        'embedded_grads': (jnp.zeros((self.schedule.microbatches,) + shape.shape, shape.dtype)
+                           if self.embed_after else None),
         'tail_grads': zeros(self.tail_weights.trained(), self.place_grads[2]),
-        'loss': jnp.zeros((stages,), jnp.float32),
+        'loss': jnp.zeros((), jnp.float32),
     }
 
 
@@ -360,15 +385,12 @@ def _run(schedule: PipelineSchedule, placements, rolled_backward, layer, keys, r
   carry = loop.phase(True, True, carry, cut(first_backward, after_forwards))
   carry = loop.phase(False, True, carry, cut(after_forwards, schedule.iterations))
 
-  # Each stage's sums of the head's and embedding's gradients (only the last and first stage's
-  # are not zero) are added up once, after the loop.
-  stage_sum = lambda grads: [g.sum(0) for g in grads]
-  return carry['loss'].sum(), (layers.gradients([layer_split.put_back(g) for g in carry['grads']]),
-                               embed_weights.gradients(
-                                   embedding_grads(embed, embed_weights, embed_rows,
-                                                   carry['embedded_grads'], loop.place_grads[1])
-                                   if loop.embed_after else stage_sum(carry['embed_grads'])),
-                               tail_weights.gradients(stage_sum(carry['tail_grads'])))
+  return carry['loss'], (
+      layers.gradients([layer_split.put_back(g) for g in carry['staged']['grads']]),
+      embed_weights.gradients(embedding_grads(embed, embed_weights, embed_rows,
+                                              carry['embedded_grads'], loop.place_grads[1])
+                              if loop.embed_after else carry['embed_grads']),
+      tail_weights.gradients(carry['tail_grads']))
 
 
 def placed_vocabulary(weights, placements):
@@ -397,11 +419,11 @@ def embeds_after(schedule: PipelineSchedule, embed, embed_weights: _Trained,
 
 def embedding_grads(embed, embed_weights: _Trained, embed_rows, embedded_grads, places) -> list:
   """The embedding's trained weights' gradients, from the first stage's gradients of its
-  microbatches' outputs (`embedded_grads` [stages, microbatches, rows / M, ...]): one vjp of the
+  microbatches' outputs (`embedded_grads` [microbatches, rows / M, ...]): one vjp of the
   embedding over the whole batch, once per step."""
   if not embed_weights.indices:
     return []
-  outputs = join_rows(embedded_grads[0])
+  outputs = join_rows(embedded_grads)
   _, pullback = jax.vjp(lambda w: embed(embed_weights.with_trained(w), embed_rows).astype(
       outputs.dtype), embed_weights.trained())
   return [place(g) for g, place in zip(pullback(outputs)[0], places)]

@@ -31,13 +31,16 @@ from jax.sharding import PartitionSpec
 from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
                                     embedding_grads, embeds_after, placed_vocabulary)
+from parallel.rules import without_axis
 from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeroBubble(OneFOneB):
   """OneFOneB's interface (evaluation through GPipe's forward, `loss_sum` for the train step),
-  with ZB-H1's loop."""
+  with ZB-H1's loop. The embedding and the head run on their stages' branches, so their tables
+  enter the loop whole over `stage` (gathered once per step; stored split over it)."""
+  stage_manual = True
 
   def _loop(self):
     return _run
@@ -72,15 +75,17 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
                 stage if stage_valid is not None else whole, whole, whole, whole, whole, whole,
                 whole),
       out_specs=(stage, stage, stage, stage, stage))
-  loss, grads, embed_grads, embedded_grads, tail_grads = run(
-      stage_leaves, stage_keys, stage_valid, embed_weights.trained(), tail_weights.trained(),
-      split(rows),
-      split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
+  # Inside, `stage` is manual: one stage's arrays, the vocabulary's whole over it.
+  with linen.logical_axis_rules(without_axis(linen.get_logical_axis_rules(), STAGE_AXIS)):
+    loss, grads, embed_grads, embedded_grads, tail_grads = run(
+        stage_leaves, stage_keys, stage_valid, embed_weights.trained(), tail_weights.trained(),
+        split(rows), split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
   stage_sum = lambda grads: [g.sum(0) for g in grads]
   return loss.sum(), (layers.gradients([layer_split.put_back(g) for g in grads]),
                       embed_weights.gradients(
-                          embedding_grads(embed, embed_weights, embed_rows, embedded_grads,
-                                          place_grads[1])
+                          # outside the loop: placed as the step places gradients
+                          embedding_grads(embed, embed_weights, embed_rows, embedded_grads[0],
+                                          [lambda g: g] * len(place_grads[1]))
                           if loop.embed_after else stage_sum(embed_grads)),
                       tail_weights.gradients(stage_sum(tail_grads)))
 

@@ -19,7 +19,8 @@ state as data-parallel devices do, and activations split their `length` over `co
 Tensor parallelism (Megatron style) is in every table: attention heads and the MLP hidden
 dimension are split over `tensor` (column-parallel in, row-parallel out), and so is the vocabulary
 of the embedding and the logits. So is pipeline parallelism: the stacked blocks' `layers` axis is
-split over `stage` (parallel/pipeline.py runs them).
+split over `stage` (parallel/pipeline.py runs them), and so is the vocabulary (the embedding, the
+head and the logits), which every stage shares.
 
 The tables are flax's logical-axis rules, and flax turns them into PartitionSpecs
 (`flax.linen.logical_to_mesh_axes(axes, table)`, the function the model's activation hints use
@@ -34,7 +35,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 MODEL_PARALLEL = (
     ('layers', 'stage'),   # the stacked blocks: contiguous runs of layers per pipeline stage
-    ('vocab', 'tensor'),
+    # The vocabulary's tables and logits: over `tensor` (Megatron's vocabulary parallelism) and
+    # over `stage`, so that no pipeline stage stores a whole table (with its gradient and
+    # optimizer state) and the head's product is split among the stages rather than repeated on
+    # each (under a pipeline the embedding and head run outside the stages' own chunks).
+    ('vocab', ('tensor', 'stage')),
     ('heads', 'tensor'),
     ('kv_heads', 'tensor'),
     ('mlp', 'tensor'),
@@ -58,9 +63,9 @@ SHARDED = (('embed', ZERO_AXES),) + MODEL_PARALLEL
 
 # The mesh axes whose uneven splits of stored state are padded (parallel/padding.py): the ZeRO
 # axes only store, so padding them costs bytes and nothing else; so does `stage`, which splits the
-# stored `layers` axis only (a pipeline takes each chunk's layers out of it: parallel/
-# stage_layers.py). The other model-parallel axes split computation, and a dimension they do not
-# divide is refused.
+# stored `layers` axis (a pipeline takes each chunk's layers out of it: parallel/stage_layers.py)
+# and the vocabulary (XLA splits an uneven dimension the padding's way). `tensor` splits heads and
+# the MLP's hidden dimension, and a dimension it does not divide is refused.
 PADDED_AXES = ZERO_AXES + ('stage',)
 
 
@@ -102,6 +107,13 @@ def layout_rules(zero_stage: int) -> LayoutRules:
                      f'sharded), 2 (+ gradients), 3 (+ parameters, FSDP)')
   table = {part: SHARDED if zero_shards(zero_stage, part) else REPLICATED for part in SHARDED_FROM}
   return LayoutRules(activations=ACTIVATIONS, **table)
+
+
+def without_axis(table, axis: str) -> tuple:
+  """`table` with mesh `axis` taken out of every rule: the rules inside a region where that axis
+  is manual (a shard_map over `stage`), whose arrays are one stage's."""
+  kept = lambda part: tuple(a for a in mesh_axes(part) if a != axis) or None
+  return tuple((name, kept(part)) for name, part in table)
 
 
 def mesh_axes(part) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from flax import nnx
 from flax.linen import logical_to_mesh_axes
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from parallel.padding import paddable
 from parallel.rules import PADDED_AXES, mesh_axes
 
 
@@ -46,7 +47,7 @@ def shardings_for(axes_tree, mesh: Mesh, rules):
 
 def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
   """ValueError naming the first array dimension (and its logical axis) that its mesh axes do
-  not divide, where those are not all padded axes (parallel/padding.py pads those)."""
+  not divide, where parallel/padding.py cannot pad it (its unpadded axes do not divide it)."""
   flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
   flat_shardings = jax.tree.leaves(shardings)
   flat_axes = jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple))
@@ -54,8 +55,10 @@ def check_divisible(shapes, shardings, axes_tree, what: str) -> None:
     for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
       ways = shard_ways(sharding.mesh, axes)
       axes = mesh_axes(axes)
-      if size % ways and not set(axes) <= set(PADDED_AXES):
+      if size % ways and not paddable(size, axes, sharding.mesh):
         name = jax.tree_util.keystr(path, simple=True, separator='/')
+        axes = [a for a in axes if a not in PADDED_AXES]   # those that must divide it
+        ways = shard_ways(sharding.mesh, tuple(axes))
         raise ValueError(f'{what} {name} dimension {dim} ({logical[dim]}) of size {size}, which the '
                          f'mesh axes {" x ".join(f"{a}={sharding.mesh.shape[a]}" for a in axes)} = '
                          f'{ways} do not divide; choose a mesh whose {"/".join(axes)} size divides {size}')

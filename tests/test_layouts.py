@@ -127,15 +127,22 @@ def test_parameter_and_optimizer_state_shardings_are_the_expected_specs(layout):
   assert gate.addressable_shards[0].data.shape[2] == gate.shape[2] // tensor_ways
   assert _normalise(adam.mu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
   assert _normalise(adam.nu['blocks']['mlp']['gate']['kernel'].sharding.spec) == _normalise(moment_spec)
-  embedding = state['params']['embedding'].sharding.spec
-  expected_embedding = P('tensor', ZERO if layout in ('fsdp', 'fsdp_tp', 'pipeline') else None)
-  assert _normalise(embedding) == _normalise(expected_embedding)
+  # The vocabulary is split over `tensor` and `stage`: no pipeline stage stores a whole table.
+  embedding = state['params']['embedding']
+  expected_embedding = P(('tensor', 'stage'),
+                         ZERO if layout in ('fsdp', 'fsdp_tp', 'pipeline') else None)
+  assert _normalise(embedding.sharding.spec) == _normalise(expected_embedding)
+  vocabulary_ways = tensor_ways * s.mesh.shape['stage']
+  assert embedding.addressable_shards[0].data.shape[0] == embedding.shape[0] // vocabulary_ways
+  for moment in (adam.mu, adam.nu):
+    assert moment['embedding'].addressable_shards[0].data.shape[0] == (
+        embedding.shape[0] // vocabulary_ways)
 
 
 def expected_spec(axes: tuple, fsdp_sharded: bool) -> P:
   """What the rule tables promise, written out independently of parallel/rules.py."""
   mesh_axis = {'embed': ZERO if fsdp_sharded else None, 'heads': 'tensor', 'kv_heads': 'tensor',
-               'mlp': 'tensor', 'vocab': 'tensor', 'layers': 'stage'}
+               'mlp': 'tensor', 'vocab': ('tensor', 'stage'), 'layers': 'stage'}
   return P(*(mesh_axis.get(a) for a in axes))
 
 

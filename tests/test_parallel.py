@@ -53,7 +53,8 @@ def test_tensor_parallel_splits_heads_mlp_and_vocabulary():
   rules = layout_rules(0).params
   assert logical_to_mesh_axes(('embed', 'heads', 'head_dim'), rules) == P(None, 'tensor', None)
   assert logical_to_mesh_axes(('heads', 'head_dim', 'embed'), rules) == P('tensor', None, None)
-  assert logical_to_mesh_axes(('vocab', 'embed'), rules) == P('tensor', None)
+  # The vocabulary over `stage` too: a size-1 axis splits nothing without a pipeline.
+  assert logical_to_mesh_axes(('vocab', 'embed'), rules) == P(('tensor', 'stage'), None)
 
 
 def test_an_unknown_zero_stage_is_refused():

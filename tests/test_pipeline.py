@@ -213,22 +213,26 @@ def test_losses_and_parameters_equal_the_single_device_run(name, reference):
 
 def test_a_layer_count_no_stage_count_divides_trains_as_one_device():
   """7 layers on 4 stages: stored padded to 8 (2 a stage, the last one's second a layer of
-  zeros), run as chunks of 2, 2, 2 and 1 layers by the schedule with real branches per stage."""
-  seven = {'model.num_layers': 7}
-  want_losses, want_params, _ = train(config(BATCH, **seven, **{
+  zeros), run as chunks of 2, 2, 2 and 1 layers by the schedule with real branches per stage. A
+  vocabulary of 258 the same way: split over the 4 stages, stored as 260 rows, 2 of zeros."""
+  uneven = {'model.num_layers': 7, 'model.vocab_size': 258}
+  want_losses, want_params, _ = train(config(BATCH, **uneven, **{
       'mesh': dict(stage=1, data=1, fsdp=1, tensor=1), 'parallel.zero_stage': 0}),
       devices=jax.devices()[:1])
-  losses, params, s = train(config(BATCH, **seven, **{'parallel.pipeline_schedule': 'zb_h1',
-                                                      'parallel.pipeline_microbatches': 8}))
+  losses, params, s = train(config(BATCH, **uneven, **{'parallel.pipeline_schedule': 'zb_h1',
+                                                       'parallel.pipeline_microbatches': 8}))
   assert s.pipeline.layer_split(7).counts == (2, 2, 2, 1)
   np.testing.assert_allclose(losses, want_losses,
                              rtol=reordered_rtol(BATCH * s.config.train.seq_len))
   lr = s.config.train.learning_rate
+  padded = {}
   for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-    if got.shape != want.shape:   # the stacked layers: the padding stays zero
-      assert got.shape[0] == 8 and not got[7:].any()
-      got = got[:7]
+    if got.shape != want.shape:   # the padding stays zero
+      padded[got.shape[0]] = want.shape[0]
+      assert not got[want.shape[0]:].any()
+      got = got[:want.shape[0]]
     assert np.abs(got - want).max() <= 0.1 * lr
+  assert padded == {8: 7, 260: 258}
 
 
 @pytest.mark.parametrize('layers,stages,repeats,counts,want', [
