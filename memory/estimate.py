@@ -802,7 +802,7 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   keeps, per microbatch from its F to its W, its chunk's residuals (what the model's remat keeps
   of each layer: nothing is recomputed), in P + 1 slots, beside two slot buffers of stage inputs
   and gradients and the four activations moving between stages; at its peak one layer's backward
-  working set, or the head and loss on the last stage. Beside them, as under 1f1b: the
+  working set, or the head and loss on one microbatch. Beside them, as under 1f1b: the
   embedding's and head's gradient sums, and under ZeRO-3 the stage's weights and the vocabulary
   tables whole over `fsdp` (gathered once a step)."""
   P, M = shape.stages, shape.pipeline_microbatches
@@ -814,32 +814,37 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
                                     shape.backend)
   item = micro.tokens * shape.stage_layers(cfg) * sum(saved.values())
   layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
-  tail = vocab_bytes(cfg, policy, micro, embedding_grads=frozen is None)['logits']
+  # The head runs between the stages' actions, its logits split over `stage` as well.
+  tail = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
+                     embedding_grads=frozen is None)['logits']
   activations = slots * item + (2 * slots + 4) * row + max(layer['activations'], tail)
-  _, _, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
-  return {'activations': activations, 'temporaries': vocab_sums + whole + layer['weights']}
+  stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
+  # W takes the chunk's vjp at once: every layer's weight gradient is formed, whole over `fsdp`,
+  # before it is reduced (1b, 4-layer chunks on 4 stages x 2-way ZeRO-3, bench/buffers.py: the
+  # chunk's 12 fp32 MLP gradients, 0.75 GiB, live at the loop's peak).
+  chunk = shape.layer_split(cfg).depth
+  chunk_grads = (stage_weights * (chunk - 1) / max(1, shape.stage_layers(cfg)) * trained
+                 * policy.param_bytes / shape.tensor)
+  return {'activations': activations,
+          'temporaries': vocab_sums + whole + layer['weights'] + chunk_grads}
 
 
 def loop_weights(cfg: ModelConfig, policy: Policy, shape: StepShape,
                  frozen: 'Frozen | None') -> tuple[float, float, float, float]:
   """What a pipeline whose backward runs in its loop (1f1b, zb_h1) holds of the weights: (the
   parameters of a stage's layers, the trained fraction, the embedding's and head's gradient sums,
-  under ZeRO-3 the stage's weights and vocabulary tables whole over `fsdp`). The 1f1b loop keeps
-  the vocabulary split over `stage`; zb_h1's runs the embedding and head on their own stages'
-  branches, so every stage holds the tables and their sums whole over `stage` (gathered once a
-  step, 1b on 4 stages x 2-way ZeRO-3: 7.9 against 1f1b's 6.6 GiB, bench.studies.pipeline)."""
+  under ZeRO-3 the stage's weights and vocabulary tables whole over `fsdp`); the vocabulary's
+  stay split over `stage`."""
   p = policy.param_bytes
   stage_weights = (shape.stage_layers(cfg)
                    * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer))
   trained = 1.0 if frozen is None else frozen.trainable / cfg.num_params
   vocab_tables = cfg.embedding_params * _vocab_matrices(cfg)
-  stages = 1 if shape.schedule == 'zb_h1' else shape.stages   # the tables split over `stage`
-  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads') / stages
+  vocab_sums = vocab_tables * trained * p / shards(cfg, shape, 'grads') / shape.stages
   whole = 0
   if shape.gathers_params:
-    whole = (stage_weights * p + vocab_tables * FP32 / stages) / shape.tensor * gathered(cfg, shape)
-  elif stages == 1:   # zb_h1: the tables gathered over `stage`
-    whole = vocab_tables * p / shape.tensor
+    whole = ((stage_weights * p + vocab_tables * FP32 / shape.stages) / shape.tensor
+             * gathered(cfg, shape))
   return stage_weights, trained, vocab_sums, whole
 
 

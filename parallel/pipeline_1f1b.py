@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, join_rows, on_stages, pipelined,
                                scan_chunk, split_rows)
-from parallel.rules import REPLICATED, LayoutRules, without_axis
+from parallel.rules import REPLICATED, LayoutRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,6 @@ class OneFOneB:
   seed: jax.Array | None = None      # the cotangent the loss sum will get (train/step.py)
 
   runs_loss = True   # models/llama.py: hand this stack the head and loss
-  stage_manual = False   # the loop is a vmap over `stage` (ZeroBubble's: a shard_map)
 
   def __call__(self, layer, layers, x, keys, rows=None):
     return pipelined(self.schedule.forward_schedule)(layer, layers, x, keys, rows)
@@ -109,19 +108,15 @@ class OneFOneB:
     loop anyway, in a layout that takes more: 100m, 0.73 against 0.41 GiB of temp); its gradient
     is split as the layout's gradients are (ZeRO-2/3: summed into the shard at every tick, a
     reduce-scatter). The embedding's and tail's weights are whole over `fsdp` too (used inside
-    the loop, ZeRO-3 would gather them at every tick), and their vocabulary stays split over
-    `tensor` and `stage` (`stage_manual`: whole over `stage`, for a loop in which each stage
-    runs its own branch)."""
+    the loop, ZeRO-3 would gather them at every tick); their vocabulary stays split over
+    `tensor` and `stage`."""
     if self.rules is None:
       return _kept(axes[0]), tuple(_kept(a) for a in axes), _kept(axes[1]), _kept(axes[2])
-    vocabulary = ((lambda table: without_axis(table, STAGE_AXIS)) if self.stage_manual else
-                  (lambda table: table))
     gradients = (_placed(axes[0], self.rules.grads, True),
-                 _placed(axes[1], vocabulary(self.rules.grads), False),
-                 _placed(axes[2], vocabulary(self.rules.grads), False))
-    return (_placed(axes[0], REPLICATED, True), gradients,
-            _placed(axes[1], vocabulary(REPLICATED), False),
-            _placed(axes[2], vocabulary(REPLICATED), False))
+                 _placed(axes[1], self.rules.grads, False),
+                 _placed(axes[2], self.rules.grads, False))
+    return (_placed(axes[0], REPLICATED, True), gradients, _placed(axes[1], REPLICATED, False),
+            _placed(axes[2], REPLICATED, False))
 
 
 def _placed(tree, table, stacked: bool):

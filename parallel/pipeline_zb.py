@@ -3,21 +3,23 @@ backward pass on a stage split into B (its input's gradient, which the stage bef
 W (its weights', which nothing waits for), W put off into the ticks where the stage would wait
 (parallel/zero_bubble.py's tables).
 
-One compiled program, as the other schedules': a `shard_map` manual over `stage` only (`data`,
-`fsdp` and `tensor` stay the partitioner's, inside a stage as without a pipeline) and a scan over
-the table's ticks. In each tick each stage takes its own action, as real branches (`lax.cond` on
-its row of the table; the other schedules' vmap over stages would compute every branch), then
-every F's output moves one stage on and every B's one stage back (a ppermute each way).
+One compiled program, as the other schedules': a scan over the table's ticks. In each tick each
+stage takes its own action in a `shard_map` manual over `stage` only (`data`, `fsdp` and `tensor`
+stay the partitioner's, inside a stage as without a pipeline), as real branches (`lax.cond` on its
+row of the table; the other schedules' vmap over stages would compute every branch), then every
+F's output moves one stage on and every B's one stage back (a ppermute each way). The embedding
+and the head run outside it, as 1F1B's do, with the vocabulary split over `stage`
+(parallel/rules.py): the embedding before the stages' actions where the first stage's F needs it,
+the head, loss and loss gradient after them where the last stage's F made an output.
 
 F runs its chunk under `jax.vjp` and keeps, in its microbatch's slot, the pullback's residuals
 that depend on the microbatch (its input, rows and dropout keys; what they are is the model's
 remat policy's: a layer's input under `full`). The residuals that depend on the weights alone (the
 weights, their casts) are made once per step, before the loop, not per slot. B calls the pullback
 for the input's gradient, W for the weights', and XLA drops the half each does not use: nothing is
-recomputed, so F, B and W each cost about a forward pass, as the tables count them. The first
-stage's F embeds its microbatch; the last stage's F runs the final norm, head and loss, and keeps
-the loss's gradient in the slot for its B. Gradients are summed as 1F1B sums them (its custom_vjp,
-`OneFOneB.loss_sum`, hands them to autodiff).
+recomputed, so F, B and W each cost about a forward pass, as the tables count them. The loss's
+gradient waits in the last stage's slot for its B. Gradients are summed as 1F1B sums them (its
+custom_vjp, `OneFOneB.loss_sum`, hands them to autodiff).
 """
 import dataclasses
 from typing import Any
@@ -38,9 +40,7 @@ from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 @dataclasses.dataclass(frozen=True)
 class ZeroBubble(OneFOneB):
   """OneFOneB's interface (evaluation through GPipe's forward, `loss_sum` for the train step),
-  with ZB-H1's loop. The embedding and the head run on their stages' branches, so their tables
-  enter the loop whole over `stage` (gathered once per step; stored split over it)."""
-  stage_manual = True
+  with ZB-H1's loop."""
 
   def _loop(self):
     return _run
@@ -52,98 +52,205 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
   False); `wanted` None: the loss alone. Arguments as parallel/pipeline_1f1b.py's `_run`'s;
   `rolled_backward` does not apply (nothing is recomputed)."""
   del rolled_backward
-  P, M = schedule.stages, schedule.microbatches
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
   weights = placed_vocabulary(weights, placements)
   layers, embed_weights, tail_weights = (_Trained(w, want) for w, want in zip(weights, wanted))
   layer_split = schedule.layer_split(layers.leaves[0].shape[0])
-  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), M), tree)
+  split = lambda tree: jax.tree.map(lambda a: split_rows(jnp.asarray(a), schedule.microbatches),
+                                    tree)
+  place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
+  micro_embed_rows = split(embed_rows)
+  ends = _Ends(layers, embed_weights, tail_weights, embed, tail, micro_embed_rows, split(targets),
+               place_grads, jnp.asarray(seed, jnp.float32),
+               embeds_after(schedule, embed, embed_weights, micro_embed_rows))
   # [stages, 1, chunk, ...]: stage p's chunk, placed once per step (ZeRO-3: gathered once).
   stage_leaves = [_in_stages(place)(on_stages(layer_split.take(a)))
                   for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))]
-  stage_keys = None if keys is None else layer_split.take(keys)
-  stage_valid = layer_split.valid()
-  place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
-  loop = _Stage(schedule.zero_bubble, layer, layers, embed_weights, tail_weights, embed, tail,
-                place_grads, embeds_after(schedule, embed, embed_weights, split(embed_rows)))
+  stages = _Stages(schedule.zero_bubble, layer, layers, place_grads[0], stage_leaves,
+                   None if keys is None else layer_split.take(keys), layer_split.valid(),
+                   split(rows), ends.first_shape())
+  step_leaves, staged = stages.prepare()
+  tables = schedule.zero_bubble
+  table = {k: jnp.asarray(getattr(tables, k)) for k in (
+      'action', 'micro', 'forward_arrives', 'forward_micro', 'backward_arrives', 'backward_micro')}
 
-  stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
-  run = jax.shard_map(
-      loop.run, axis_names={STAGE_AXIS}, check_vma=False,
-      in_specs=(stage, stage if keys is not None else whole,
-                stage if stage_valid is not None else whole, whole, whole, whole, whole, whole,
-                whole),
-      out_specs=(stage, stage, stage, stage, stage))
-  # Inside, `stage` is manual: one stage's arrays, the vocabulary's whole over it.
-  with linen.logical_axis_rules(without_axis(linen.get_logical_axis_rules(), STAGE_AXIS)):
-    loss, grads, embed_grads, embedded_grads, tail_grads = run(
-        stage_leaves, stage_keys, stage_valid, embed_weights.trained(), tail_weights.trained(),
-        split(rows), split(embed_rows), split(targets), jnp.asarray(seed, jnp.float32))
-  stage_sum = lambda grads: [g.sum(0) for g in grads]
-  return loss.sum(), (layers.gradients([layer_split.put_back(g) for g in grads]),
-                      embed_weights.gradients(
-                          # outside the loop: placed as the step places gradients
-                          embedding_grads(embed, embed_weights, embed_rows, embedded_grads[0],
-                                          [lambda g: g] * len(place_grads[1]))
-                          if loop.embed_after else stage_sum(embed_grads)),
-                      tail_weights.gradients(stage_sum(tail_grads)))
+  def tick(carry, row):
+    """The embedding where the first stage's F needs it, every stage's action and sends, the
+    head where the last stage's F made an output, the embedding's gradient where the first
+    stage's B made one."""
+    first = ends.embedded(row['action'][0] == FORWARD, row['micro'][0])
+    staged = stages.tick(step_leaves, carry['staged'], row, first, carry['head_dy'],
+                         carry['head_micro'])
+    carry = ends.head(dict(carry, staged=staged), row['action'][-1] == FORWARD, row['micro'][-1])
+    return ends.embedding_grad(carry, row['action'][0] == BACKWARD_INPUT, row['micro'][0]), None
+
+  carry = jax.lax.scan(tick, ends.first_carry(staged), table)[0]
+  return carry['loss'], (
+      layers.gradients([layer_split.put_back(g) for g in carry['staged']['grads']]),
+      embed_weights.gradients(embedding_grads(embed, embed_weights, embed_rows,
+                                              carry['embedded_grads'], place_grads[1])
+                              if ends.embed_after else carry['embed_grads']),
+      tail_weights.gradients(carry['tail_grads']))
 
 
 @dataclasses.dataclass
-class _Stage:
-  """One stage's loop (the body of the shard_map over `stage`): its chunk's actions, tick by
-  tick, as the tables say."""
-  tables: Any
-  layer: Any
+class _Ends:
+  """The pipeline's two ends, run between the stages' actions on the whole mesh (the vocabulary
+  split over `stage`): the embedding of a microbatch, the head, loss and loss gradient of one,
+  and the sums of their weights' gradients."""
   layers: _Trained
   embed_weights: _Trained
   tail_weights: _Trained
   embed: Any           # embed(weights, rows) -> one microbatch's first block input
   tail: Any            # tail(weights, hidden, targets, microbatch) -> its loss sum
+  micro_embed_rows: Any
+  micro_targets: Any
   place_grads: list    # per (layers, embedding, tail): a placement per trained leaf
+  seed: jax.Array      # the cotangent the loss sum will get
   embed_after: bool    # the embedding's gradient formed after the loop (pipeline_1f1b.py)
 
-  def run(self, stage_leaves, stage_keys, stage_valid, embed_trained, tail_trained, micro_rows,
-          micro_embed_rows, micro_targets, seed):
-    """(loss, gradients of the chunk's, embedding's (or its outputs', `embed_after`) and tail's
-    trained weights), each with a leading axis of 1: this stage's share, stacked over `stage` by
-    the shard_map."""
-    me = jax.lax.axis_index(STAGE_AXIS)
+  def embed_of(self, m):
+    return lambda w: self.embed(self.embed_weights.with_trained(w), _take(self.micro_embed_rows, m))
+
+  def first_shape(self) -> jax.ShapeDtypeStruct:
+    return jax.eval_shape(self.embed_of(0), self.embed_weights.trained())
+
+  def embedded(self, needed, m) -> jax.Array:
+    """Microbatch m's first block input where `needed`, zeros elsewhere."""
+    shape = self.first_shape()
+    return jax.lax.cond(needed, lambda: stream(self.embed_of(m)(self.embed_weights.trained())),
+                        lambda: stream(jnp.zeros(shape.shape, shape.dtype)))
+
+  def head(self, carry, leaving, m) -> dict:
+    """Where microbatch m left the last stage's chunk (`leaving`): its loss added, the head's
+    gradient summed, and the gradient of the chunk's output (`head_dy`) handed to the last stage
+    at the next tick, for its B (`head_micro`: m, or -1 where none left)."""
+    y = carry['staged']['forward_out'][-1]
+
+    def run(loss, tail_grads):
+      tail_of = lambda w, y: self.tail(self.tail_weights.with_trained(w), y, self.micro_targets[m],
+                                       m)
+      loss_now, tail_vjp = jax.vjp(tail_of, self.tail_weights.trained(), y)
+      d_tail, d_y = tail_vjp(self.seed)
+      return (loss + loss_now, _added(tail_grads, d_tail, True, self.place_grads[2]),
+              stream(d_y.astype(y.dtype)))
+    carry['loss'], carry['tail_grads'], carry['head_dy'] = jax.lax.cond(
+        leaving, run, lambda loss, grads: (loss, grads, stream(jnp.zeros_like(y))),
+        carry['loss'], carry['tail_grads'])
+    carry['head_micro'] = jnp.where(leaving, m, -1)
+    return carry
+
+  def embedding_grad(self, carry, made, m) -> dict:
+    """Where the first stage's B made the gradient of microbatch m's input (`made`): the
+    embedding's gradient added to its sum, or (`embed_after`) that input gradient kept for it."""
+    if not self.embed_weights.indices:
+      return carry
+    dx = carry['staged']['backward_out'][0]
+    if self.embed_after:
+      e = carry['embedded_grads']
+      carry['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
+          e, jnp.where(made, dx.astype(e.dtype), e[m]), m, 0)
+      return carry
+    shape = self.first_shape()
+    embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_weights.trained())[1]
+    carry['embed_grads'] = jax.lax.cond(
+        made, lambda g: _added(g, embed_vjp()(dx.astype(shape.dtype))[0], True,
+                               self.place_grads[1]),
+        lambda g: g, carry['embed_grads'])
+    return carry
+
+  def first_carry(self, staged) -> dict:
+    """The loop's state before its first tick: the stages' (`staged`), and every sum zero."""
+    shape = self.first_shape()
+    zeros = lambda shapes, places: [place(jnp.zeros(a.shape, a.dtype))
+                                    for a, place in zip(shapes, places)]
+    return {
+        'staged': staged,
+        'head_dy': stream(jnp.zeros(shape.shape, shape.dtype)), 'head_micro': jnp.int32(-1),
+        'embed_grads': [] if self.embed_after else zeros(self.embed_weights.trained(),
+                                                         self.place_grads[1]),
+        'embedded_grads': (jnp.zeros((self.micro_targets.shape[0],) + shape.shape, shape.dtype)
+                           if self.embed_after else None),
+        'tail_grads': zeros(self.tail_weights.trained(), self.place_grads[2]),
+        'loss': jnp.zeros((), jnp.float32),
+    }
+
+
+@dataclasses.dataclass
+class _Stages:
+  """Every stage's part of a tick, in a `shard_map` manual over `stage` (inside it, the rules
+  without `stage`: its arrays are one stage's): its action, as its row of the table says, and the
+  sends. Its state (`staged`) is [stages, ...] outside, one stage's [1, ...] inside."""
+  tables: Any
+  layer: Any
+  layers: _Trained
+  place_grads: list      # the stacked layers' gradients': a placement per trained leaf
+  stage_leaves: list     # [stages, 1, chunk, ...] each: the stage's chunk
+  stage_keys: Any        # dropout keys the same way, or None
+  stage_valid: Any       # [stages, 1, chunk] bool: the slots that run a layer, or None
+  micro_rows: Any        # per-row inputs of the blocks, [microbatches, rows, ...]
+  first: jax.ShapeDtypeStruct   # one microbatch's first block input
+
+  def _per_stage(self, body, in_specs, out_specs, *args):
+    """`body`(the stage's leaves, keys, valid slots, microbatch rows, *args) run per stage."""
+    stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
+    run = jax.shard_map(
+        body, axis_names={STAGE_AXIS}, check_vma=False, out_specs=out_specs,
+        in_specs=(stage, whole if self.stage_keys is None else stage,
+                  whole if self.stage_valid is None else stage, whole) + in_specs)
+    with linen.logical_axis_rules(without_axis(linen.get_logical_axis_rules(), STAGE_AXIS)):
+      return run(self.stage_leaves, self.stage_keys, self.stage_valid, self.micro_rows, *args)
+
+  def _loop(self, stage_leaves, stage_keys, stage_valid, micro_rows, step_leaves=None):
     leaves = [a[0, 0] for a in stage_leaves]   # the stage's one chunk, [chunk, ...] each
-    loop = _StageLoop(self, me, leaves, self.layers.trained(leaves),
+    return _StageLoop(self, jax.lax.axis_index(STAGE_AXIS), leaves, self.layers.trained(leaves),
                       None if stage_keys is None else stage_keys[0, 0],
-                      None if stage_valid is None else stage_valid[0, 0], embed_trained,
-                      tail_trained, micro_rows, micro_embed_rows, micro_targets, seed)
-    table = {k: jnp.asarray(getattr(self.tables, k)) for k in (
-        'action', 'micro', 'forward_arrives', 'forward_micro', 'backward_arrives',
-        'backward_micro')}
-    carry = jax.lax.scan(loop.tick, loop.first_carry(), table)[0]
-    one = lambda a: a[None]
-    return (one(carry['loss']), [g[None] for g in carry['grads']],
-            [one(g) for g in carry['embed_grads']], jax.tree.map(one, carry['embedded_grads']),
-            [one(g) for g in carry['tail_grads']])
+                      None if stage_valid is None else stage_valid[0, 0], micro_rows, step_leaves)
+
+  def prepare(self):
+    """(the residuals of each stage's pullback that depend on its weights alone, made once per
+    step; the stages' state before the first tick), [stages, ...] each."""
+    def body(*inputs):
+      loop = self._loop(*inputs)
+      one = lambda a: a[None]
+      return [one(a) for a in loop.residuals.weight_leaves()], jax.tree.map(one, loop.first_carry())
+    stage = PartitionSpec(STAGE_AXIS)
+    return self._per_stage(body, (), (stage, stage))
+
+  def tick(self, step_leaves, staged, row, first, head_dy, head_micro):
+    """The stages' state after their actions of the tick (`row`: the table's, every stage's)
+    and the sends; `first`: the first stage's input where its F needs one; `head_dy`: the
+    gradient of the last stage's output of microbatch `head_micro` at the tick before (-1:
+    none)."""
+    def body(*inputs):
+      *inputs, step_leaves, staged, row, first, head_dy, head_micro = inputs
+      loop = self._loop(*inputs, [a[0] for a in step_leaves])
+      carry = loop.tick(jax.tree.map(lambda a: a[0], staged), row, first, head_dy, head_micro)
+      return jax.tree.map(lambda a: a[None], carry)
+    stage, whole = PartitionSpec(STAGE_AXIS), PartitionSpec()
+    return self._per_stage(body, (stage, stage, whole, whole, whole, whole), stage, step_leaves,
+                           staged, row, first, head_dy, head_micro)
 
 
 class _StageLoop:
-  """What one stage's ticks read (its weights, keys, microbatches, and the pullback's split into
+  """What one stage's tick reads (its weights, keys, microbatches, and the pullback's split into
   per-microbatch and per-step residuals); its methods are the tick and its three actions. Each
   action is a branch from the carry's entries it changes to their new values; where the stage
   takes another action they pass through. (XLA wants a conditional's results placed alike in
   both branches: hence the placements of the gradients' sums and the activations.)"""
 
-  def __init__(self, stage: _Stage, me, leaves, trained, keys, valid, embed_trained,
-               tail_trained, micro_rows, micro_embed_rows, micro_targets, seed):
-    self.s, self.me, self.leaves, self.trained, self.keys = stage, me, leaves, trained, keys
+  def __init__(self, stages: _Stages, me, leaves, trained, keys, valid, micro_rows,
+               step_leaves=None):
+    self.s, self.me, self.leaves, self.trained, self.keys = stages, me, leaves, trained, keys
     self.valid = valid   # the chunk's slots that run a layer (None: all)
-    self.first, self.last = me == 0, me == stage.tables.stages - 1
-    self.embed_trained, self.tail_trained, self.seed = embed_trained, tail_trained, seed
-    self.micro_rows, self.micro_embed_rows = micro_rows, micro_embed_rows
-    self.micro_targets = micro_targets
-    self.slots = stage.tables.slots
-    self.activation = jax.eval_shape(lambda: self.embed_of(0)(embed_trained))
-    self.x0 = stream(jnp.zeros(self.activation.shape, self.activation.dtype))
+    self.first, self.last = me == 0, me == stages.tables.stages - 1
+    self.micro_rows = micro_rows
+    self.slots = stages.tables.slots
+    self.x0 = stream(jnp.zeros(stages.first.shape, stages.first.dtype))
     self.residuals = Residuals.of(self.pullback, trained, self.x0, *self.chunk_inputs(0))
+    if step_leaves is not None:   # made once per step (`_Stages.prepare`)
+      self.residuals = self.residuals.with_weight_leaves(step_leaves)
 
   def chunk_inputs(self, m):
     """The microbatch's per-row inputs and dropout keys (a mask per layer and microbatch)."""
@@ -160,58 +267,33 @@ class _StageLoop:
                         valid=self.valid)
     return jax.vjp(apply, trained, x)
 
-  def embed_of(self, m):
-    return lambda w: self.s.embed(self.s.embed_weights.with_trained(w),
-                                  _take(self.micro_embed_rows, m))
-
-  def forward(self, c, m, held):
-    """F: the chunk on the microbatch's input (the first stage embeds it); its residuals kept;
-    on the last stage the loss, the tail's gradient, and the gradient its B starts from."""
+  def forward(self, c, m, held, first):
+    """F: the chunk on the microbatch's input (on the first stage, its embedding `first`); its
+    residuals kept, its output sent on (from the last stage, to the head)."""
     slot, x0 = m % self.slots, self.x0
-    x = jax.lax.cond(self.first,
-                     lambda: stream(self.embed_of(m)(self.embed_trained).astype(x0.dtype)),
-                     lambda: stream(held))
+    x = jax.lax.cond(self.first, lambda: stream(first.astype(x0.dtype)), lambda: stream(held))
     y, pull = self.pullback(self.trained, x, *self.chunk_inputs(m))
     c['kept'] = [_put(k, leaf, slot) for k, leaf in zip(c['kept'], self.residuals.per_item(pull))]
     c['forward_out'] = stream(y.astype(x0.dtype))
-
-    def head(loss, tail_grads, dy):
-      tail_of = lambda w, y: self.s.tail(self.s.tail_weights.with_trained(w), y,
-                                         self.micro_targets[m], m)
-      loss_now, tail_vjp = jax.vjp(tail_of, self.tail_trained, y)
-      d_tail, d_y = tail_vjp(self.seed)
-      return (loss + loss_now, _added(tail_grads, d_tail, True, self.s.place_grads[2]),
-              _put(dy, d_y, slot))
-    c['loss'], c['tail_grads'], c['dy'] = jax.lax.cond(
-        self.last, head, lambda *a: a, c['loss'], c['tail_grads'], c['dy'])
     return c
 
-  def input_grad(self, c, m, kept, dy):
-    """B: the gradient of the chunk's input (on the first stage, of the embedding's weights, or
-    kept for them)."""
+  def input_grad(self, c, kept, dy):
+    """B: the gradient of the chunk's input, sent back (from the first stage, to the
+    embedding's gradient)."""
     dx = self.residuals.pullback(kept)(dy)[1]
     c['backward_out'] = stream(dx.astype(self.x0.dtype))
-    if self.s.embed_after:
-      e = c['embedded_grads']
-      c['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
-          e, jnp.where(self.first, dx.astype(e.dtype), e[m]), m, 0)
-      return c
-    embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_trained)[1]
-    c['embed_grads'] = jax.lax.cond(
-        self.first, lambda g: _added(g, embed_vjp()(dx.astype(self.activation.dtype))[0], True,
-                                     self.s.place_grads[1]),
-        lambda g: g, c['embed_grads'])
     return c
 
   def weight_grad(self, c, kept, dy):
     """W: the gradient of the chunk's weights, added to the stage's sums."""
     d_weights = self.residuals.pullback(kept)(dy)[0]
     c['grads'] = [place(g + d[None].astype(g.dtype))
-                  for g, d, place in zip(c['grads'], d_weights, self.s.place_grads[0])]
+                  for g, d, place in zip(c['grads'], d_weights, self.s.place_grads)]
     return c
 
-  def tick(self, carry, row):
-    """What arrived filed into its slot, the stage's action of the tick, then the sends."""
+  def tick(self, carry, row, first, head_dy, head_micro):
+    """What arrived filed into its slot (on the last stage, the head's gradient), the stage's
+    action of the tick, then the sends."""
     t = jax.tree.map(lambda a: a[self.me], row)
     slots = self.slots
     slot = t['micro'] % slots
@@ -219,15 +301,15 @@ class _StageLoop:
                            t['forward_arrives'])
     carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
                        t['backward_arrives'])
+    carry['dy'] = _put(carry['dy'], head_dy, head_micro % slots, self.last & (head_micro >= 0))
     changes = lambda *keys: {k: carry[k] for k in keys}
     carry.update(jax.lax.cond(
-        t['action'] == FORWARD, self.forward, lambda c, m, held: c,
-        changes('kept', 'forward_out', 'loss', 'tail_grads', 'dy'), t['micro'],
-        carry['inputs'][slot]))
+        t['action'] == FORWARD, self.forward, lambda c, m, held, first: c,
+        changes('kept', 'forward_out'), t['micro'], carry['inputs'][slot], first))
     kept, dy = [k[slot] for k in carry['kept']], carry['dy'][slot]
     carry.update(jax.lax.cond(
-        t['action'] == BACKWARD_INPUT, self.input_grad, lambda c, m, kept, dy: c,
-        changes('backward_out', 'embed_grads', 'embedded_grads'), t['micro'], kept, dy))
+        t['action'] == BACKWARD_INPUT, self.input_grad, lambda c, kept, dy: c,
+        changes('backward_out'), kept, dy))
     carry.update(jax.lax.cond(
         t['action'] == BACKWARD_WEIGHTS, self.weight_grad, lambda c, kept, dy: c,
         changes('grads'), kept, dy))
@@ -238,25 +320,18 @@ class _StageLoop:
                                            [(i, (i + 1) % stages) for i in range(stages)])
     carry['backward_in'] = jax.lax.ppermute(carry['backward_out'], STAGE_AXIS,
                                             [(i, (i - 1) % stages) for i in range(stages)])
-    return carry, None
+    return carry
 
   def first_carry(self) -> dict:
-    """The loop's state before its first tick: nothing in flight or kept, every sum zero."""
+    """The stage's state before its first tick: nothing in flight or kept, its sums zero."""
     x0, slots = self.x0, self.slots
-    places = self.s.place_grads
-    zeros = lambda shapes, places, lead=(): [place(jnp.zeros(lead + a.shape, a.dtype))
-                                             for a, place in zip(shapes, places)]
     return {
         'forward_in': x0, 'backward_in': x0, 'forward_out': x0, 'backward_out': x0,
         'inputs': jnp.zeros((slots,) + x0.shape, x0.dtype),
         'dy': jnp.zeros((slots,) + x0.shape, x0.dtype),
         'kept': [jnp.zeros((slots,) + a.shape, a.dtype) for a in self.residuals.item_shapes],
-        'grads': zeros(self.trained, places[0], (1,)),
-        'embed_grads': [] if self.s.embed_after else zeros(self.embed_trained, places[1]),
-        'embedded_grads': (jnp.zeros((self.s.tables.microbatches,) + self.activation.shape,
-                                     self.activation.dtype) if self.s.embed_after else None),
-        'tail_grads': zeros(self.tail_trained, places[2]),
-        'loss': jnp.zeros((), jnp.float32),
+        'grads': [place(jnp.zeros((1,) + a.shape, a.dtype))
+                  for a, place in zip(self.trained, self.s.place_grads)],
     }
 
 
@@ -268,6 +343,7 @@ class Residuals:
   step_leaves: list    # every leaf of a pullback made once per step; those per item unused
   item: list           # indices of the leaves that depend on the microbatch
   item_shapes: list
+  made: list           # indices of those computed from the weights (casts): not an input itself
 
   @classmethod
   def of(cls, pullback, trained, x, rows, chunk_keys) -> 'Residuals':
@@ -279,16 +355,28 @@ class Residuals:
     jaxpr = jax.make_jaxpr(lambda *flat: jax.tree.leaves(
         pullback(*jax.tree.unflatten(args_tree, flat))[1]))(*flat_args)
     item = [i for i, on in enumerate(_depends(jaxpr.jaxpr, item_args)) if on]
+    inputs = set(jaxpr.jaxpr.invars)
+    made = [i for i, v in enumerate(jaxpr.jaxpr.outvars)
+            if i not in item and not (isinstance(v, jax_core.Var) and v in inputs)]
     return cls(treedef, leaves, item, [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
-                                       for i in item])
+                                       for i in item], made)
 
   def per_item(self, pull) -> list:
     leaves = jax.tree.leaves(pull)
     assert len(leaves) == len(self.step_leaves), 'a pullback of another form'
     return [leaves[i] for i in self.item]
 
-  def no_item(self) -> list:
-    return [jnp.zeros(a.shape, a.dtype) for a in self.item_shapes]
+  def weight_leaves(self) -> list:
+    """The leaves computed from the weights alone (the weights themselves are not among them:
+    a copy of them would take their bytes again)."""
+    return [self.step_leaves[i] for i in self.made]
+
+  def with_weight_leaves(self, leaves: list) -> 'Residuals':
+    """These residuals with `leaves` (`weight_leaves`' of another trace) in place of theirs."""
+    step_leaves = list(self.step_leaves)
+    for i, leaf in zip(self.made, leaves, strict=True):
+      step_leaves[i] = leaf
+    return dataclasses.replace(self, step_leaves=step_leaves)
 
   def pullback(self, kept: list):
     leaves = list(self.step_leaves)
