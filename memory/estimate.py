@@ -786,7 +786,8 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   p = policy.param_bytes
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   loop_copies = 0
-  if cfg.remat != 'none':
+  if cfg.remat != 'none' and not on_gpu(shape):   # XLA:GPU reads the stage's own (1b, 4 stages x 2-way
+    # ZeRO-3, 8 H100s, bench.buffers --target: one set of the stage's weights, no loop copies)
     # The chunk's layers in a loop (under remat): XLA gives that loop its own copy of the weights
     # it reads (the stage's, or with several chunks the one picked) and of the gradient sums
     # (7b remat full on 4 stages x 2-way ZeRO-3, bench/buffers.py: two sets of each).
@@ -822,9 +823,11 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # W takes the chunk's vjp at once: every layer's weight gradient is formed, whole over `fsdp`,
   # before it is reduced (1b, 4-layer chunks on 4 stages x 2-way ZeRO-3, bench/buffers.py: the
   # chunk's 12 fp32 MLP gradients, 0.75 GiB, live at the loop's peak).
+  # XLA:GPU reduce-scatters them layer by layer (the same step for 8 H100s, bench.buffers
+  # --target: no chunk of gradients at the peak).
   chunk = shape.layer_split(cfg).depth
-  chunk_grads = (stage_weights * (chunk - 1) / max(1, shape.stage_layers(cfg)) * trained
-                 * policy.param_bytes / shape.tensor)
+  chunk_grads = (0 if on_gpu(shape) else stage_weights * (chunk - 1)
+                 / max(1, shape.stage_layers(cfg)) * trained * policy.param_bytes / shape.tensor)
   return {'activations': activations,
           'temporaries': vocab_sums + whole + layer['weights'] + chunk_grads}
 
