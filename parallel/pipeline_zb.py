@@ -49,9 +49,7 @@ class ZeroBubble(OneFOneB):
 def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_rows, tail,
          targets, seed, weights, wanted):
   """(loss sum, gradients of `weights` = (layers, embedding's, tail's): None where `wanted` is
-  False); `wanted` None: the loss alone. Arguments as parallel/pipeline_1f1b.py's `_run`'s;
-  `rolled_backward` does not apply (nothing is recomputed)."""
-  del rolled_backward
+  False); `wanted` None: the loss alone. Arguments as parallel/pipeline_1f1b.py's `_run`'s."""
   if wanted is None:
     wanted = jax.tree.map(lambda _: False, weights)
   weights = placed_vocabulary(weights, placements)
@@ -69,7 +67,7 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
                   for a, place in zip(layers.leaves, jax.tree.leaves(placements[0]))]
   stages = _Stages(schedule.zero_bubble, layer, layers, place_grads[0], stage_leaves,
                    None if keys is None else layer_split.take(keys), layer_split.valid(),
-                   split(rows), ends.first_shape())
+                   split(rows), ends.first_shape(), rolled_backward)
   step_leaves, staged = stages.prepare()
   tables = schedule.zero_bubble
   table = {k: jnp.asarray(getattr(tables, k)) for k in (
@@ -191,6 +189,10 @@ class _Stages:
   stage_valid: Any       # [stages, 1, chunk] bool: the slots that run a layer, or None
   micro_rows: Any        # per-row inputs of the blocks, [microbatches, rows, ...]
   first: jax.ShapeDtypeStruct   # one microbatch's first block input
+  # Under remat: the chunk's layers in a loop. Straight-line, B's and W's pullbacks recompute
+  # every layer's forward first and keep them all (7b, 8-layer chunks, M 8, 8 H100s, bench.buffers
+  # --target: 47.2 GiB a device against 1F1B's 28.9, the chunk's recomputed MLP activations).
+  rolled: bool = False
 
   def _per_stage(self, body, in_specs, out_specs, *args):
     """`body`(the stage's leaves, keys, valid slots, microbatch rows, *args) run per stage."""
@@ -263,7 +265,7 @@ class _StageLoop:
     """(the chunk's output, its pullback) at `trained` weights and input `x`."""
     def apply(trained, x):
       weights = self.s.layers.with_trained(trained, self.leaves)
-      return scan_chunk(self.s.layer, weights, x, chunk_keys, rows_now, unroll=True,
+      return scan_chunk(self.s.layer, weights, x, chunk_keys, rows_now, unroll=not self.s.rolled,
                         valid=self.valid)
     return jax.vjp(apply, trained, x)
 

@@ -60,8 +60,9 @@ def pipeline_stack(schedule: PipelineSchedule | None, config, rules=None):
   circular); None (one stage): one after another."""
   if schedule is None:
     return None
+  rolled_backward = config.model.remat != 'none'
   if schedule.zero_bubble:
-    return ZeroBubble(schedule, rules)
+    return ZeroBubble(schedule, rules, rolled_backward=rolled_backward)
   if schedule.backward_in_loop:
-    return OneFOneB(schedule, rules, rolled_backward=config.model.remat != 'none')
+    return OneFOneB(schedule, rules, rolled_backward=rolled_backward)
   return pipelined(schedule, gather_once=config.parallel.get('pipeline_gather_once', False))
