@@ -779,9 +779,12 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # +15 % at 4). Under remat (a loop) the same count is kept: counting every layer's stack moves
   # 7b's 1f1b points on 4 stages from -9 % to -8 % and its interleaved ones from +5 % to +6 %.
   chunk = micro.tokens * (chunk_layers - 1) * sum(saved.values()) + layer['activations']
-  # The head runs outside the stages' vmap, its logits split over `stage` as well.
-  tail = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
-                     embedding_grads=frozen is None)['logits']
+  # The head runs outside the stages' vmap, its logits split over `stage` as well; beside them the
+  # head's copies of its table (1b, 4 stages x 2-way ZeRO-3, bench/buffers.py: the loop's peak is
+  # the head's backward, with its fp32 table, the cast and the gradient's sum, each [V / 4, d]).
+  head = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
+                     embedding_grads=frozen is None)
+  tail = head['logits'] + head['head']
   activations = (in_flight + 4) * row + max(chunk, tail)
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   return {'activations': activations,
