@@ -17,7 +17,9 @@ that depend on the microbatch (its input, rows and dropout keys; what they are i
 remat policy's: a layer's input under `full`). The residuals that depend on the weights alone (the
 weights, their casts) are made once per step, before the loop, not per slot. B calls the pullback
 for the input's gradient, W for the weights', and XLA drops the half each does not use: nothing is
-recomputed, so F, B and W each cost about a forward pass, as the tables count them. The loss's
+recomputed beyond what the remat policy recomputes (under remat, B and W each run the layers'
+forward again from the kept inputs, a layer at a time in a loop), so without remat F, B and W each
+cost about a forward pass, as the tables count them. The loss's
 gradient waits in the last stage's slot for its B. Gradients are summed as 1F1B sums them (its
 custom_vjp, `OneFOneB.loss_sum`, hands them to autodiff).
 """

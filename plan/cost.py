@@ -110,6 +110,12 @@ class Recipe:
     return self.stages > 1 and (self.schedule in ('1f1b', 'interleaved_1f1b') or (
         self.schedule == 'circular' and self.repeats > 1))
 
+  @property
+  def remat_replays(self) -> int:
+    """How often the remat policy's recomputation runs per layer and microbatch: twice under
+    zb_h1, whose B and W each call the layer's pullback (parallel/pipeline_zb.py)."""
+    return 2 if self.stages > 1 and self.schedule == 'zb_h1' else 1
+
   def __str__(self):
     chunks = f', {self.repeats} chunks a stage' if self.repeats > 1 else ''
     pipeline = (f', {self.stages} stages x {self.pipeline_microbatches} pipeline microbatches '
@@ -137,7 +143,7 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   # 3M + P - 1 ticks for 3M).
   bubble = recipe.pipeline_iterations / recipe.pipeline_work
   flops = (cfg.flops_per_token(seq_len, base_trains)
-           + (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
+           + recipe.remat_replays * (RECOMPUTE[recipe.remat] - 1) * cfg.flops_per_token(seq_len))
   if recipe.recomputes:   # each chunk's forward runs again in its backward
     flops += cfg.flops_per_token(seq_len) / 3
   # Stages run in step, each as deep as the deepest: R chunks of ceil(L / (P R)) layers where P R

@@ -91,6 +91,10 @@ def test_pipeline_stages_are_offered_across_nodes_and_priced_by_their_bubble():
       seconds(flat)['compute'] * (48 + 3) / 48)
   assert seconds(zero_bubble)['pipeline_comm'] == pytest.approx(
       seconds(piped)['pipeline_comm'] * (48 + 3) / (16 + 3))
+  # Full remat recomputes a forward pass (a third of a step's work); ZB-H1's B and W each call a
+  # layer's pullback, so each replays it.
+  remat = lambda r: seconds(dataclasses.replace(r, remat='full'))['compute'] / seconds(r)['compute']
+  assert remat(flat) == pytest.approx(4 / 3) and remat(zero_bubble) == pytest.approx(5 / 3)
   # Two chunks a stage: M R + P - 1 iterations for M R, so half the bubble of 1F1B, which
   # recomputes as interleaved 1F1B does; an activation sent at every iteration, and the weights
   # and their gradients re-laid out over the stages once a step.
