@@ -61,7 +61,7 @@ def _run(schedule, placements, rolled_backward, layer, keys, rows, embed, embed_
                                     tree)
   place_grads = [_Trained(p, want).trained() for p, want in zip(placements[1], wanted)]
   micro_embed_rows = split(embed_rows)
-  ends = _Ends(layers, embed_weights, tail_weights, embed, tail, micro_embed_rows, split(targets),
+  ends = _Ends(embed_weights, tail_weights, embed, tail, micro_embed_rows, split(targets),
                place_grads, jnp.asarray(seed, jnp.float32),
                embeds_after(schedule, embed, embed_weights, micro_embed_rows))
   # [stages, 1, chunk, ...]: stage p's chunk, placed once per step (ZeRO-3: gathered once).
@@ -99,7 +99,6 @@ class _Ends:
   """The pipeline's two ends, run between the stages' actions on the whole mesh (the vocabulary
   split over `stage`): the embedding of a microbatch, the head, loss and loss gradient of one,
   and the sums of their weights' gradients."""
-  layers: _Trained
   embed_weights: _Trained
   tail_weights: _Trained
   embed: Any           # embed(weights, rows) -> one microbatch's first block input

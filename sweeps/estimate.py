@@ -15,7 +15,8 @@ and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unles
   ZeRO-1, ZeRO-2, ZeRO-3 and ZeRO-3 with 4-way tensor parallelism (sweeps/fsdp_vs_ddp.py's);
 - GPT-2 shapes (LayerNorm, GELU MLP, biases, learned positions) at 100m and 1b on 8 devices;
 - precisions and 8-bit Adam at 1b (ZeRO-3, 8 devices), and the presets' own microbatches;
-- pipelines at 7b (4 stages x 2-way FSDP): GPipe and circular;
+- pipelines at 7b (4 stages x 2-way FSDP): every schedule (GPipe, circular, 1F1B, interleaved
+  1F1B, ZB-H1; the last three added after `bench/results/sweeps/estimate/` was recorded);
 - LoRA and QLoRA at 7b and 20b (8 devices, and QLoRA 20b on one);
 - long context: 7b at 16k and 32k tokens (ZeRO-3, 8 devices);
 - the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8;
@@ -87,6 +88,11 @@ def get_sweep(arg: str | None = None):
                                           'parallel.pipeline_schedule': 'circular',
                                           'parallel.pipeline_repeats': 2}},
             config='configs/pipeline.py:7b'),
+      *[point for schedule, repeats in (('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1))
+        for point in case(f'7b-{schedule}', {'pipeline4': {
+            'mesh.stage': 4, 'mesh.fsdp': 2, 'mesh.data': 1, 'parallel.zero_stage': 3,
+            'parallel.pipeline_microbatches': 4, 'parallel.pipeline_schedule': schedule,
+            'parallel.pipeline_repeats': repeats}}, config='configs/pipeline.py:7b')],
       *case('7b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:7b'),
       *case('7b-qlora', {'zero3': LAYOUTS['zero3']}, config='configs/qlora.py:7b'),
       *case('20b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:20b'),
