@@ -235,24 +235,30 @@ class _Loop:
     return staged, self.chunk_forward(weight_leaves, stage_keys, valid, t['f_chunk'],
                                       t['f_micro'], held)
 
-  def loss_slot(self, carry, t, out, cotangent):
-    """An item leaving its last chunk on the last stage: its loss, the head's gradient, and the
-    cotangent its backward starts from there. Outside the stages' vmap, so that the head's
-    product is split over the vocabulary's devices (`stage` among them), not repeated on each
-    stage; skipped in the ticks where no item leaves (interleaved: R - 1 in R)."""
-    def head(loss, tail_grads, last_cotangent):
+  def loss_slot(self, carry, t, out):
+    """An item leaving its last chunk on the last stage: its loss, the head's gradient summed,
+    and the gradient of the chunk's output, which its backward starts from there in the same tick
+    (zeros where no item leaves). Outside the stages' vmap, so that the head's product is split
+    over the vocabulary's devices (`stage` among them), not repeated on each stage; skipped in the
+    ticks where no item leaves (interleaved: R - 1 in R)."""
+    def head(loss, tail_grads):
       loss_now, tail_vjp = jax.vjp(self.tail_of(t['f_micro'][-1]), self.tail_weights.trained(),
                                    out[-1])
       d_tail, dy = tail_vjp(self.seed)
       return (loss + loss_now, _added(tail_grads, d_tail, True, self.place_grads[2]),
-              jnp.where(t['b_first'][-1], dy.astype(last_cotangent.dtype), last_cotangent))
-    carry['loss'], carry['tail_grads'], last_cotangent = jax.lax.cond(
-        t['f_last'][-1], head, lambda *a: a, carry['loss'], carry['tail_grads'], cotangent[-1])
-    return cotangent.at[-1].set(last_cotangent)
+              dy.astype(out.dtype))
+    carry['loss'], carry['tail_grads'], head_dy = jax.lax.cond(
+        t['f_last'][-1], head, lambda loss, grads: (loss, grads, jnp.zeros_like(out[-1])),
+        carry['loss'], carry['tail_grads'])
+    return head_dy
 
-  def backward_slot(self, weight_leaves, stage_keys, valid, staged, t, cotangent):
-    """One stage's backward slot: the chunk's vjp from its kept input; its weights' gradient
-    added to its chunk's sum. Returns (the stage's carry, the gradient of the chunk's input)."""
+  def backward_slot(self, weight_leaves, stage_keys, valid, staged, t, head_dy):
+    """One stage's backward slot: the chunk's vjp from its kept input and the gradient of its
+    output (on the last stage, for an item leaving it, the head's `head_dy`); its weights'
+    gradient added to its chunk's sum. Returns (the stage's carry, the gradient of the chunk's
+    input)."""
+    cotangent = jnp.where(t['b_first'], head_dy.astype(staged['backward_in'].dtype),
+                          staged['backward_in'])
     d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, valid, t['b_chunk'],
                                         t['b_micro'], staged['kept'][t['b_slot']], cotangent)
     grads = []
@@ -285,7 +291,7 @@ class _Loop:
     stage_axes = (0, mapped(self.stage_keys), mapped(self.stage_valid), 0, 0)
     forwards = jax.vmap(self.forward_slot, in_axes=stage_axes + (None,),
                         spmd_axis_name=STAGE_AXIS)
-    backwards = jax.vmap(self.backward_slot, in_axes=stage_axes + (0,),
+    backwards = jax.vmap(self.backward_slot, in_axes=stage_axes + (None,),
                          spmd_axis_name=STAGE_AXIS)
     weights = (self.stage_leaves, self.stage_keys, self.stage_valid)
 
@@ -297,11 +303,10 @@ class _Loop:
         first = self.embed_of(t['f_micro'][0])(self.embed_weights.trained())
         staged, out = forwards(*weights, staged, t, first)
       dx = staged['backward_in']
-      if backward:
-        cotangent = staged['backward_in']
-        if forward:
-          cotangent = self.loss_slot(carry, t, out, cotangent)
-        staged, dx = backwards(*weights, staged, t, cotangent)
+      if backward:   # (in the backward-only ticks no item leaves the last stage)
+        head_dy = (self.loss_slot(carry, t, out) if forward else
+                   jnp.zeros(dx.shape[1:], dx.dtype))
+        staged, dx = backwards(*weights, staged, t, head_dy)
         self.embedding_slot(carry, t, dx)
       # Every forward output one stage on, every backward one one stage back (round the ring).
       carry['staged'] = {**staged, 'forward_in': jnp.roll(out, 1, axis=0),
