@@ -319,7 +319,7 @@ def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_gr
 def test_zb_h1_under_remat_recomputes_a_chunk_a_layer_at_a_time_as_1f1b_does():
   """Under remat, B's and W's pullbacks recompute each layer's forward. Run as straight-line code,
   XLA recomputed the whole chunk's first and kept it (tiny, 4-layer chunks, a row a microbatch:
-  1.6x 1F1B's temp; 7b on 4 stages at M 4: 132 against 54 GiB); in a loop over the chunk's
+  1.6x 1F1B's temp; 7b on 4 stages at M 4: 129 against 54 GiB); in a loop over the chunk's
   layers, as 1F1B's backward slot runs, it keeps about what 1F1B keeps (1.0x here)."""
   deep = {'model.num_layers': 16, 'model.remat': 'full', 'train.seq_len': 64}
   temp = lambda schedule: _compiled(schedule, 4, **deep)['per_device_bytes']['temp']
