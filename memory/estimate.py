@@ -810,7 +810,7 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
                      frozen: 'Frozen | None') -> dict[str, float]:
   """The zb_h1 loop's peak (parallel/pipeline_zb.py), which replaces the backward phases: a stage
   keeps, per microbatch from its F to its W, its chunk's residuals (what the model's remat keeps
-  of each layer: nothing is recomputed), in P + 1 slots, beside two slot buffers of stage inputs
+  of each layer), in P + 1 slots, beside two slot buffers of stage inputs
   and gradients and the four activations moving between stages; at its peak one layer's backward
   working set, or the head and loss on one microbatch. Beside them, as under 1f1b: the
   embedding's and head's gradient sums, and under ZeRO-3 the stage's weights and the vocabulary

@@ -15,8 +15,8 @@ moments and zero updates.
 
 `stage` splits the stored `layers` axis (a pipeline takes each chunk's layers out of it:
 parallel/stage_layers.py), so 7 layers on 4 stages are stored as 8, the last a layer of zeros that
-no chunk runs; and the vocabulary, with `tensor`: 50,257 rows on 2 x 2 devices are stored as
-50,260. `tensor` splits heads and hidden dimensions, not only storage; a dimension it does not
+no chunk runs; and the vocabulary, where `tensor` divides it: 50,257 rows on 4 stages are stored
+as 50,260. `tensor` splits heads and hidden dimensions, not only storage; a dimension it does not
 divide is refused (parallel/sharding.py:check_divisible).
 """
 import dataclasses

@@ -280,9 +280,10 @@ class _Loop:
       carry['embedded_grads'] = jax.lax.dynamic_update_index_in_dim(
           kept, jnp.where(last, dx[0].astype(kept.dtype), kept[m]), m, 0)
       return
-    _, embed_vjp = jax.vjp(self.embed_of(m), self.embed_weights.trained())
-    carry['embed_grads'] = _added(carry['embed_grads'], embed_vjp(dx[0])[0], last,
-                                  self.place_grads[1])
+    embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_weights.trained())[1]
+    carry['embed_grads'] = jax.lax.cond(
+        last, lambda g: _added(g, embed_vjp()(dx[0])[0], True, self.place_grads[1]),
+        lambda g: g, carry['embed_grads'])
 
   def phase(self, forward, backward, carry, tables):
     """The ticks of `tables`: every stage's forward slot at once (a vmap laid on `stage`), the
