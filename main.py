@@ -44,18 +44,25 @@ _PEER_TIMEOUT = flags.DEFINE_float('peer_timeout', 60, 'Multi-host: seconds with
 
 
 def _init_jax(config, plan_devices: int | None = None, gpu_target: bool = False) -> list[str]:
-  """The persistent compilation cache, the GPU's XLA flags, device simulation and multi-host
-  set-up: all before JAX touches a backend. `gpu_target`: the step compiles for GPUs that need
-  not be here (parallel/target.py). Returns the XLA flags added (GPU defaults)."""
-  import jax
+  """The backend (`_init_backend`), then the persistent compilation cache, which depends on the
+  devices it gave. Returns the XLA flags added (GPU defaults)."""
+  added = _init_backend(config, plan_devices, gpu_target)
   from configs import default
-  from parallel import xla_flags
   from train import compile_cache
   try:
-    compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE)
-                         if compile_cache.serves(config, gpu_target) else '')
+    compile_cache.enable(config.get('compile_cache', default.COMPILE_CACHE),
+                         off_because=compile_cache.unserved(gpu_target))
   except compile_cache.CacheDirError as e:
     sys.exit(f'error: {e}')
+  return added
+
+
+def _init_backend(config, plan_devices: int | None, gpu_target: bool) -> list[str]:
+  """The GPU's XLA flags, device simulation and multi-host set-up: all before JAX touches a
+  backend. `gpu_target`: the step compiles for GPUs that need not be here (parallel/target.py).
+  Returns the XLA flags added (GPU defaults)."""
+  import jax
+  from parallel import xla_flags
   if gpu_target:
     from parallel.target import TargetCompileError, prepare
     try:

@@ -208,7 +208,7 @@ def main(argv):
                          f'least 2 and warmup at least 1')
   graphs_off = not _COMMAND_BUFFERS.value and without_command_buffers()
   # The loop below compiles the same step again: with the cache on (the default) it loads this one.
-  compile_cache.enable(config.get('compile_cache', ''))
+  compile_cache.enable(config.get('compile_cache', ''), off_because=compile_cache.unserved())
   s = bench_setup(config)
   compiled = compile_train_step(s)
   described = describe_instructions(compiled.as_text())

@@ -1,11 +1,13 @@
 """Test session set-up: 8 simulated CPU devices, so multi-device layouts run on any machine; and
-JAX's persistent compilation cache in a directory of the suite's own, shared by its workers and
-every `main.py` it starts (JAX_COMPILATION_CACHE_DIR, which `configs/default.py` takes as the
-default `compile_cache`), removed when the suite ends. So no run of the suite writes to the user's
-cache or reads from it, and a program that several tests compile alike (the tiny preset's train
-step, under many tests) is compiled once. A cached program is the compiled program itself, looked
-up by its HLO, options and devices: what a test computes does not depend on which test compiled
-it first. Programs compile at XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
+JAX's persistent compilation cache in a directory of the suite's own, shared by every `main.py` the
+suite starts (JAX_COMPILATION_CACHE_DIR, which `configs/default.py` takes as the default
+`compile_cache`), removed when the suite ends. So no run of the suite writes to the user's cache or
+reads from it, and a program that several runs compile alike (the tiny preset's one-device train
+step, under many guides) is compiled once. A cached program is the compiled program itself, looked
+up by its HLO, options and devices: what a test computes does not depend on which run compiled it
+first. The cache serves what it serves a user (train/compile_cache.py:unserved): not the workers'
+own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several. Programs compile at
+XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
 """
@@ -13,7 +15,6 @@ import os
 import shutil
 import tempfile
 
-import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # read when jax is imported, as the next switch is
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
@@ -30,19 +31,10 @@ def pytest_configure(config):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlm-suite-jax-cache-")
     config.suite_cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
   from train import compile_cache
-  compile_cache.enable(os.environ["JAX_COMPILATION_CACHE_DIR"])
+  compile_cache.enable(os.environ["JAX_COMPILATION_CACHE_DIR"],
+                       off_because=compile_cache.unserved())
 
 
 def pytest_unconfigure(config):
   if hasattr(config, "suite_cache"):
     shutil.rmtree(config.suite_cache, ignore_errors=True)
-
-
-@pytest.fixture(scope='module')
-def suite_cache_off():
-  """The suite's persistent cache off for a module whose programs it cannot serve, as a run turns
-  it off for them (train/compile_cache.py:serves): a step with state in host memory loaded from it
-  aborts XLA:CPU; a GPU target's executable cannot be loaded on a CPU."""
-  from parallel.collectives import persistent_cache_off
-  with persistent_cache_off():
-    yield

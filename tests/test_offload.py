@@ -17,9 +17,6 @@ from tests.test_layouts import config_for, train_from
 from train import checks, run
 
 
-pytestmark = pytest.mark.usefixtures('suite_cache_off')   # steps with state in host memory: tests/conftest.py
-
-
 OFFLOADED = 'pinned_host'
 
 

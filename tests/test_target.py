@@ -17,9 +17,6 @@ from tests.helpers import tiny_config
 from tests.test_run import ROOT, main_py
 
 
-pytestmark = pytest.mark.usefixtures('suite_cache_off')   # GPU targets' executables: tests/conftest.py
-
-
 needs_plugin = pytest.mark.skipif(
     target_lib.plugin() is None,
     reason='the CUDA plugin of jax is not installed: pip install -r requirements-gpu-compile.txt')

@@ -19,13 +19,19 @@ class CacheDirError(ValueError):
 _OR_OFF = "or --config.compile_cache='' to turn the persistent compilation cache off"
 
 
-def enable(directory: str) -> str | None:
+_off_because: str | None = None   # why `enable` kept the cache off, for the compile line
+
+
+def enable(directory: str, off_because: str | None = None) -> str | None:
   """Points JAX's persistent cache at `directory` (created if needed; `~` expanded); returns the
-  directory in use, or None when it is off: `directory` is '' or JAX's own switch
-  (JAX_ENABLE_COMPILATION_CACHE=false) is off. Must run before the first compile."""
+  directory in use, or None when it is off: `directory` is '', `off_because` says why it cannot
+  serve this process (`unserved()`), or JAX's own switch (JAX_ENABLE_COMPILATION_CACHE=false) is
+  off. Must run before the first compile."""
+  global _off_because
   if not isinstance(directory, str):
     raise CacheDirError(f'compile_cache={directory!r}; it must be a directory path, {_OR_OFF}')
-  if not directory:   # off, whatever JAX_COMPILATION_CACHE_DIR says
+  _off_because = off_because if directory else None
+  if not directory or off_because:   # off, whatever JAX_COMPILATION_CACHE_DIR says
     jax.config.update('jax_enable_compilation_cache', False)
     return None
   path = os.path.abspath(os.path.expanduser(directory))
@@ -48,16 +54,22 @@ def enable(directory: str) -> str | None:
   return path
 
 
-def serves(config, gpu_target: bool = False) -> bool:
-  """Whether the cache can serve this run's programs. Not a GPU target's compiled on a CPU
-  (XLA:GPU's executables need a GPU's client to load: JAX warns and compiles again, every time),
-  and not a run that keeps state or activations in host memory: on XLA:CPU (jax 0.10.2) such a
-  step loaded from the cache aborts the process (`tests/test_offload.py`, with the suite's cache
-  on), so it is kept out everywhere."""
-  host_memory = (config.parallel.get('offload_optimizer', False)
-                 or config.parallel.get('offload_frozen', False)
-                 or config.model.get('remat', 'none') in ('offload', 'dots_offload'))
-  return not gpu_target and not host_memory
+def unserved(gpu_target: bool = False) -> str | None:
+  """Why the cache cannot serve this process's programs, or None where it can; called once the
+  backend's devices are set. Not a GPU target's programs compiled on a CPU (XLA:GPU's executables
+  need a GPU's client to load: JAX warns and compiles again, every time). Not XLA:CPU's over more
+  than one device: a program loaded from the cache runs its collectives in whatever order each
+  device's thunks become ready, not the compiled order (the deserialised collectives no longer
+  share the resource that orders them), so one device can wait in an all-gather while the others
+  wait in an all-reduce until XLA aborts the process (seen with jaxlib 0.10.2 on plain steps, and
+  with 0.11.2 and 0.12.0.1 on steps with state in host memory; a freshly compiled program keeps
+  the order)."""
+  if gpu_target:
+    return 'a GPU target compiled on the CPU'
+  devices = jax.devices()
+  if devices[0].platform == 'cpu' and len(devices) > 1:
+    return f'XLA:CPU over {len(devices)} devices'
+  return None
 
 
 def cache_dir() -> str | None:
@@ -90,7 +102,7 @@ def describe(hit: bool | None) -> str:
   """The compile line's note on the cache, e.g. 'loaded from the persistent cache <dir>'."""
   path = cache_dir()
   if path is None:
-    return 'persistent compilation cache off'
+    return 'persistent compilation cache off' + (f' for {_off_because}' if _off_because else '')
   if hit:
     return f'loaded from the persistent compilation cache {path}'
   return f'persistent compilation cache: {path}'
