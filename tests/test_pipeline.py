@@ -1,6 +1,7 @@
 """Pipeline parallelism (parallel/pipeline.py): the schedule's table and moves, the same losses and
 parameters as one device for gpipe and circular with fsdp or tensor parallelism inside the stages,
 checkpoints that move between pipelined and plain meshes, and bad settings refused in one line."""
+import functools
 import re
 
 import jax
@@ -298,9 +299,10 @@ def test_lora_on_packed_rows_through_1f1b_equals_one_device(schedule):
     assert np.abs(got - want).max() <= 0.1 * lr
 
 
+@functools.lru_cache(maxsize=None)   # two tests read the same four programs' figures
 def _compiled(schedule: str, microbatches: int, **overrides) -> dict:
   """memory.json's figures for the pipeline layout at `microbatches` microbatches of one row per
-  device (4 stages x 2-way fsdp, ZeRO-3): the batch grows with them."""
+  device (4 stages x 2-way fsdp, ZeRO-3): the batch grows with them. Read, never changed."""
   c = config(2 * microbatches, **{'parallel.pipeline_schedule': schedule,
                                   'parallel.pipeline_microbatches': microbatches, **overrides})
   s = run.setup(c)
