@@ -465,11 +465,12 @@ def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> floa
                                     shape.backend)
   if shape.repeats > 1:
     # Circular: a chunk's forward is recomputed in the backward pass, so each iteration keeps only
-    # its input (a d_model row per token), and one chunk's saved activations exist at a time.
+    # its input (a d_model row per token), and one chunk's saved activations exist at a time: all
+    # but the layer whose backward runs, which the layer's working set counts (as 1f1b's chunk).
     c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
     per_iteration = shape.tokens / shape.pipeline_microbatches
     return per_iteration * (shape.pipeline_iterations * cfg.d_model * c
-                            + shape.layer_split(cfg).depth * sum(saved.values()))
+                            + (shape.layer_split(cfg).depth - 1) * sum(saved.values()))
   return shape.tokens * shape.layer_runs(cfg) * sum(saved.values())
 
 
@@ -746,8 +747,10 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
 def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """A pipeline's backward without remat takes each iteration's slice of the saved MLP stacks, all
   the stage's layers at once, as copies (tiny pipeline, fp32, 4 stages x 2 layers, bench/buffers.py:
-  six [2 layers, 64 positions, 192] fp32 copies at the peak, one per saved MLP row)."""
-  if shape.stages == 1 or cfg.remat != 'none':
+  six [2 layers, 64 positions, 192] fp32 copies at the peak, one per saved MLP row). Circular
+  recomputes its chunk in the backward pass and slices nothing (100m, 4 stages x 3 repeats,
+  bench/buffers.py: no slice of a saved stack at the peak)."""
+  if shape.stages == 1 or cfg.remat != 'none' or shape.repeats > 1:
     return 0
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', shape.backend)
   layers = shape.layer_split(cfg).depth
