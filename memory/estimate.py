@@ -788,24 +788,35 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   head = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
                      embedding_grads=frozen is None)
   tail = head['logits'] + head['head']
-  activations = (in_flight + 4) * row + max(chunk, tail)
+  # The layer's gathered weights belong to the chunk's backward, not to the head's (1b, 4 stages x
+  # 2-way ZeRO-3, 512 tokens a microbatch, bench/buffers.py: the peak is the head's backward, no
+  # layer's weights beside it).
+  layer_weights = layer['weights'] if chunk + layer['weights'] >= tail else 0
+  activations = (in_flight + 4) * row + (chunk if layer_weights else tail)
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   return {'activations': activations,
-          'temporaries': vocab_sums + whole + layer['weights']
+          'temporaries': vocab_sums + whole + layer_weights
           + chunk_loop_copies(cfg, policy, shape, stage_weights, trained, whole)}
 
 
 def chunk_loop_copies(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weights: float,
                       trained: float, whole: float) -> float:
-  """Under remat the 1f1b and zb_h1 loops run a chunk's layers in a loop of their own, and
-  XLA:CPU gives it its own copy of the weights it reads (the stage's, or with several chunks the
-  one picked) and of the gradient sums (7b remat full on 4 stages x 2-way ZeRO-3, bench/buffers.py:
-  two sets of each). XLA:GPU reads the stage's own (1b, 4 stages x 2-way ZeRO-3, 8 H100s,
-  bench.buffers --target: one set of the stage's weights, no loop copies)."""
+  """Under remat the 1f1b loops run a chunk's layers in a loop of their own, and XLA:CPU gives it
+  its own copy of the weights it reads (the stage's, or with several chunks the one picked), and
+  beside it a second weight-sized set: with one chunk a stage, the chunk's weights again, taken
+  apart layer by layer (7b remat full, 1f1b, 4 stages x 2-way ZeRO-3 and 8 stages, bench/buffers.py:
+  the loop's [layers, ...] fp32 copy and one fp32 matrix per layer and weight, 6.03 and 3.0 GiB
+  each; the gradient sums are the step's and the loop's, `pipeline_grads`, no third set); with
+  several chunks, a set the size of the chunk's gradient sums (interleaved, 4 stages x 2-way
+  ZeRO-3: the picked chunk's sums as a slice and a copy; 8 stages: the stage's weights on their
+  way between stages, a collective-permute). XLA:GPU reads the stage's own (1b, 4 stages x 2-way
+  ZeRO-3, 8 H100s, bench.buffers --target: one set of the stage's weights, no loop copies)."""
   if cfg.remat == 'none' or on_gpu(shape):
     return 0
   p = policy.param_bytes
   read = stage_weights * p / (shape.tensor if whole else shards(cfg, shape, 'params'))
+  if shape.repeats == 1:
+    return 2 * read
   return read / shape.repeats + stage_weights * trained * p / shards(cfg, shape, 'grads')
 
 
