@@ -837,11 +837,21 @@ def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
                                     shape.backend)
   item = micro.tokens * shape.stage_layers(cfg) * sum(saved.values())
+  # Under remat the slots keep what the chunk's forward returned, in the compute dtype, where
+  # XLA:CPU's own saved stacks are fp32 (`upcasts`), and the slot whose B or W runs is converted
+  # to fp32 beside them for the rolled backward (7b remat full, 8 stages, 8 microbatches,
+  # bench/buffers.py: nine bf16 slots of 1.0 GiB and one fp32 slot of 2.0 GiB). Without remat,
+  # bf16 on XLA:CPU was not measured: counted as its saved stacks.
+  converted = 0
+  if cfg.remat != 'none' and upcasts(policy, shape.backend):
+    converted = item
+    item = item * policy.compute_bytes / FP32
   layer = layer_phase_bytes(cfg, policy, micro, trains_weights=weight_shaped(frozen, shape))
   # The head runs between the stages' actions, its logits split over `stage` as well.
   tail = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
                      embedding_grads=frozen is None)['logits']
-  activations = slots * item + (2 * slots + 4) * row + max(layer['activations'], tail)
+  activations = (slots * item + converted + (2 * slots + 4) * row
+                 + max(layer['activations'], tail))
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   # Without remat, W takes the chunk's vjp as straight-line code: every layer's weight gradient
   # is formed, whole over `fsdp`, before it is reduced (XLA:CPU; XLA:GPU reduce-scatters them
