@@ -792,32 +792,61 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # 2-way ZeRO-3, 512 tokens a microbatch, bench/buffers.py: the peak is the head's backward, no
   # layer's weights beside it).
   layer_weights = layer['weights'] if chunk + layer['weights'] >= tail else 0
-  activations = (in_flight + 4) * row + (chunk if layer_weights else tail)
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
+  if R > 1 and cfg.remat != 'none' and not on_gpu(shape):
+    return interleaved_cpu_phases(cfg, policy, shape, in_flight, row, chunk, layer_weights,
+                                  stage_weights, vocab_sums, whole)
+  activations = (in_flight + 4) * row + (chunk if layer_weights else tail)
   return {'activations': activations,
           'temporaries': vocab_sums + whole + layer_weights
-          + chunk_loop_copies(cfg, policy, shape, stage_weights, trained, whole)}
+          + chunk_loop_copies(cfg, policy, shape, stage_weights, whole)}
+
+
+def interleaved_cpu_phases(cfg: ModelConfig, policy: Policy, shape: StepShape, in_flight: int,
+                           row: float, chunk: float, layer_weights: float, stage_weights: float,
+                           vocab_sums: float, whole: float) -> dict[str, float]:
+  """Interleaved 1f1b under remat on XLA:CPU, whose peak is one of two phases (7b on 4 stages x
+  2-way ZeRO-3 and on 8 stages, bench/buffers.py, each top-level loop's peak read apart). Every
+  phase holds the stage's weights laid out in chunk order, whole over `fsdp` (the once-a-step
+  gather, or without it a collective-permute of the stage's weights), and the picked chunk's copy.
+  The ticks with forward slots hold the kept chunk inputs in the compute dtype and the chunk's
+  weights once more, one matrix per layer. The backward-only ticks (the last `scan` of
+  parallel/pipeline_1f1b.py:_run) carry the kept inputs converted to fp32 where XLA:CPU upcasts
+  (f32[1, 31, 4, 4096, 4096], 7.75 GiB on 8 stages at 16 microbatches, bf16 before
+  optimisation), beside the chunk's backward and a layer's weights."""
+  picked = _chunk_read(cfg, policy, shape, stage_weights, whole) / shape.repeats
+  laid_out = whole or _chunk_read(cfg, policy, shape, stage_weights, whole)
+  widened = FP32 / policy.compute_bytes if upcasts(policy, shape.backend) else 1
+  forward_ticks = (in_flight + 4) * row + picked
+  backward_ticks = in_flight * row * widened + chunk + layer_weights
+  if forward_ticks > backward_ticks:
+    return {'activations': (in_flight + 4) * row,
+            'temporaries': vocab_sums + laid_out + 2 * picked}
+  return {'activations': in_flight * row * widened + chunk,
+          'temporaries': vocab_sums + laid_out + picked + layer_weights}
+
+
+def _chunk_read(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weights: float,
+                whole: float) -> float:
+  """The stage's layer weights as a chunk loop reads them: whole over `fsdp` where they are
+  gathered once a step, else the stored shards."""
+  divisor = shape.tensor if whole else shards(cfg, shape, 'params')
+  return stage_weights * policy.param_bytes / divisor
 
 
 def chunk_loop_copies(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weights: float,
-                      trained: float, whole: float) -> float:
-  """Under remat the 1f1b loops run a chunk's layers in a loop of their own, and XLA:CPU gives it
-  its own copy of the weights it reads (the stage's, or with several chunks the one picked), and
-  beside it a second weight-sized set: with one chunk a stage, the chunk's weights again, taken
-  apart layer by layer (7b remat full, 1f1b, 4 stages x 2-way ZeRO-3 and 8 stages, bench/buffers.py:
-  the loop's [layers, ...] fp32 copy and one fp32 matrix per layer and weight, 6.03 and 3.0 GiB
-  each; the gradient sums are the step's and the loop's, `pipeline_grads`, no third set); with
-  several chunks, a set the size of the chunk's gradient sums (interleaved, 4 stages x 2-way
-  ZeRO-3: the picked chunk's sums as a slice and a copy; 8 stages: the stage's weights on their
-  way between stages, a collective-permute). XLA:GPU reads the stage's own (1b, 4 stages x 2-way
-  ZeRO-3, 8 H100s, bench.buffers --target: one set of the stage's weights, no loop copies)."""
+                      whole: float) -> float:
+  """Under remat the 1f1b loop (one chunk a stage) runs a chunk's layers in a loop of its own, and
+  XLA:CPU holds the weights it reads twice beside the stage's: the loop's own copy and the chunk's
+  weights taken apart layer by layer (7b remat full, 4 stages x 2-way ZeRO-3 and 8 stages,
+  bench/buffers.py: the loop's [layers, ...] fp32 copy and one fp32 matrix per layer and weight,
+  6.03 and 3.0 GiB each; the gradient sums are the step's and the loop's, `pipeline_grads`, no
+  third set). Interleaved: `interleaved_cpu_phases`. XLA:GPU reads the stage's own (1b, 4 stages
+  x 2-way ZeRO-3, 8 H100s, bench.buffers --target: one set of the stage's weights, no loop
+  copies)."""
   if cfg.remat == 'none' or on_gpu(shape):
     return 0
-  p = policy.param_bytes
-  read = stage_weights * p / (shape.tensor if whole else shards(cfg, shape, 'params'))
-  if shape.repeats == 1:
-    return 2 * read
-  return read / shape.repeats + stage_weights * trained * p / shards(cfg, shape, 'grads')
+  return 2 * _chunk_read(cfg, policy, shape, stage_weights, whole)
 
 
 def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
