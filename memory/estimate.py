@@ -745,16 +745,21 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
 
 
 def pipeline_slices(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """A pipeline's backward without remat takes each iteration's slice of the saved MLP stacks, all
-  the stage's layers at once, as copies (tiny pipeline, fp32, 4 stages x 2 layers, bench/buffers.py:
-  six [2 layers, 64 positions, 192] fp32 copies at the peak, one per saved MLP row). Circular
+  """GPipe's backward takes each iteration's slice of the saved stacks, all the stage's layers at
+  once, as copies: without remat of the MLP rows (tiny pipeline, fp32, 4 stages x 2 layers,
+  bench/buffers.py: six [2 layers, 64 positions, 192] fp32 copies at the peak, one per saved MLP
+  row), under remat of what it keeps (7b remat full, 4 stages x 2-way ZeRO-3, 4 microbatches,
+  bench/buffers.py: the layer inputs, f32[8 layers, 1, 8 rows, 4096, 4096], 4 GiB). Circular
   recomputes its chunk in the backward pass and slices nothing (100m, 4 stages x 3 repeats,
-  bench/buffers.py: no slice of a saved stack at the peak)."""
-  if shape.stages == 1 or cfg.remat != 'none' or shape.repeats > 1:
+  bench/buffers.py: no slice of a saved stack at the peak). XLA:GPU under remat: not read, not
+  counted (the sweep's 7b GPipe point on 8 H100s is within 1.7 % without it)."""
+  if shape.stages == 1 or shape.repeats > 1 or (cfg.remat != 'none' and on_gpu(shape)):
     return 0
-  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, 'none', shape.backend)
+  saved = saved_per_token_per_layer(cfg, policy, shape.seq_len, shape.tensor, cfg.remat,
+                                    shape.backend)
+  per_token = saved['mlp'] if cfg.remat == 'none' else sum(saved.values())
   layers = shape.layer_split(cfg).depth
-  return shape.tokens / shape.pipeline_microbatches * layers * saved['mlp']
+  return shape.tokens / shape.pipeline_microbatches * layers * per_token
 
 
 def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -1210,11 +1215,17 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   head_phase = {'activations': saved + vocab['logits'],
                 'temporaries': common + vocab['head'] + prefetched,
                 **({'unformed_grads': -unformed} if unformed else {})}
+  # GPipe's backward runs each stage's layers as a scan inside the iterations' loop, which sums
+  # their gradients in a carry of its own, started from a copy: beside the loop's sum, two more
+  # sets of the stage's gradient shards (7b, 4 stages x 2-way ZeRO-3, 4 microbatches,
+  # bench/buffers.py: [1, 8, ...], [8, 1, ...] and a `wrapped_copy` in the loop's body, 3.0 GiB
+  # each, where the estimate had two). Circular's chunks do not (100m, bench/buffers.py).
+  gpipe_scan_grads = pipeline_grads if shape.repeats == 1 else 0
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
                  + transposed_stacks(cfg, policy, shape, frozen)
-                 + circular_chunk_weights(cfg, policy, shape)}
+                 + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
   reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
                      + (transposed_gradient(cfg, policy, shape) if frozen is None else 0)}
