@@ -1219,8 +1219,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # their gradients in a carry of its own, started from a copy: beside the loop's sum, two more
   # sets of the stage's gradient shards (7b, 4 stages x 2-way ZeRO-3, 4 microbatches,
   # bench/buffers.py: [1, 8, ...], [8, 1, ...] and a `wrapped_copy` in the loop's body, 3.0 GiB
-  # each, where the estimate had two). Circular's chunks do not (100m, bench/buffers.py).
-  gpipe_scan_grads = pipeline_grads if shape.repeats == 1 else 0
+  # each, where the estimate had two). Circular's chunks do not (100m, bench/buffers.py). XLA:GPU:
+  # not read, not counted.
+  gpipe_scan_grads = pipeline_grads if shape.repeats == 1 and not on_gpu(shape) else 0
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
