@@ -920,11 +920,17 @@ def loop_weights(cfg: ModelConfig, policy: Policy, shape: StepShape,
 
 def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Circular under ZeRO-3: the chunk whose forward is recomputed has its weights gathered for
-  that forward and holds them through its backward (unless the stage's are whole already)."""
+  that forward and holds them through its backward (unless the stage's are whole already), beside
+  the weights of the layer whose backward runs (`layer_phase_bytes`), which are a cast of them
+  (7b bf16_mixed, 4 stages x 2 repeats: the chunk's four layers counted, within 5 %). Where the
+  layers compute in the weights' own dtype, no cast copies them: the layer's weights are one of
+  the chunk's (100m fp32, 12 layers on 4 stages x 3 repeats, bench/buffers.py: one layer's
+  gathered weights at the peak, at 4 and 8 microbatches; counted twice, +6.2 % at 8)."""
   if shape.repeats == 1 or not shape.gathers_params or shape.stage_whole:
     return 0
-  layers = shape.layer_split(cfg).depth
-  return layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
+  uncast = jnp.dtype(policy.param_dtype) == jnp.dtype(policy.compute_dtype)
+  others = shape.layer_split(cfg).depth - (1 if uncast else 0)
+  return others * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
       FP32 if upcasts(policy, shape.backend) else policy.param_bytes) * gathered(cfg, shape)
 
 
@@ -1157,6 +1163,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stage_layers = shape.stage_layers(cfg) * cfg.params_per_layer
   pipeline_grads = (stage_layers * p / shards(cfg, shape, 'grads')
                     if shape.stages > 1 and frozen is None else 0)
+  if shape.schedule == 'interleaved_1f1b' and shape.repeats > 1 and not on_gpu(shape):
+    # Interleaved sums into one carry slice by slice: beside it the picked chunk's slice and,
+    # under remat (the chunk's layers in a loop), the chunk's new gradient, a chunk's share each
+    # (7b remat full, R 2, bench/buffers.py: [4, 1, ...] and [1, 1, 4, ...] beside the
+    # [1, 2, 4, ...] carry, 1.5 GiB each; 100m remat none, R 3: the slice alone, 13 MiB).
+    pipeline_grads *= (2 if cfg.remat != 'none' else 1) / shape.repeats
   # parallel.pipeline_gather_once: the stage's weights gathered whole before the loop and held
   # through the step (gpipe and circular, 4 stages x 2-way ZeRO-3, bench.studies.pipeline
   # --gather_once, XLA:CPU: 7b +6.03 GiB compiled at every M from 4 to 32, the stage's fp32 layer
