@@ -1233,12 +1233,22 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # bench/buffers.py: [1, 8, ...], [8, 1, ...] and a `wrapped_copy` in the loop's body, 3.0 GiB
   # each, where the estimate had two). Circular's chunks do not (100m, bench/buffers.py). XLA:GPU:
   # not read, not counted.
-  gpipe_scan_grads = pipeline_grads if shape.repeats == 1 and not on_gpu(shape) else 0
+  gpipe_scan_grads = (pipeline_grads if shape.repeats == 1 and not on_gpu(shape)
+                      and not shape.stage_whole else 0)
+  # Gathered once (parallel.pipeline_gather_once), the stage's weights are whole over `fsdp`
+  # through the loop, and so are the two gradient sets its backward holds, the step's and the
+  # loop's (7b, 4 stages x 2-way ZeRO-3, 4 microbatches, bench/buffers.py: GPipe's [1, 8, 4096,
+  # ...] and [8, 1, 4096, ...], 6.03 GiB each, and no third; circular's loop sum and its chunk's
+  # [4, 1, 4096, ...] pair). Circular without remat: not read (100m, 1-layer chunks: within 5 %
+  # without it), not counted. XLA:GPU: not read, not counted.
+  whole_sums = ((grads + pipeline_grads) * (shards(cfg, shape, 'grads') / shape.tensor - 1)
+                if shape.stage_whole and not on_gpu(shape) and frozen is None
+                and (shape.repeats == 1 or cfg.remat != 'none') else 0)
   layer_phase = {'activations': (saved + ring + layer['activations']
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
                  + transposed_stacks(cfg, policy, shape, frozen)
-                 + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads}
+                 + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads + whole_sums}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
   reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
                      + (transposed_gradient(cfg, policy, shape) if frozen is None else 0)}
