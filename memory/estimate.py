@@ -784,8 +784,8 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # Without remat the chunk's backward is straight-line code and frees each layer's saved
   # activations as it passes it: at the last layer's backward, the others' are held (100m,
   # 3-layer chunks: within 4 % of the compile from 4 to 16 microbatches; all of them counted,
-  # +15 % at 4). Under remat (a loop) the same count is kept: counting every layer's stack moves
-  # 7b's 1f1b points on 4 stages from -9 % to -8 % and its interleaved ones from +5 % to +6 %.
+  # +15 % at 4). Under remat (a loop) the same count is kept (7b: a layer's input, 1 to 3 % of
+  # the total).
   chunk = micro.tokens * (chunk_layers - 1) * sum(saved.values()) + layer['activations']
   # The head runs outside the stages' vmap, its logits split over `stage` as well; beside them the
   # head's copies of its table (1b, 4 stages x 2-way ZeRO-3, bench/buffers.py: the loop's peak is
@@ -793,23 +793,29 @@ def one_f_one_b_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
   head = vocab_bytes(cfg, policy, dataclasses.replace(micro, stages=P),
                      embedding_grads=frozen is None)
   tail = head['logits'] + head['head']
-  # The layer's gathered weights belong to the chunk's backward, not to the head's (1b, 4 stages x
-  # 2-way ZeRO-3, 512 tokens a microbatch, bench/buffers.py: the peak is the head's backward, no
-  # layer's weights beside it).
-  layer_weights = layer['weights'] if chunk + layer['weights'] >= tail else 0
+  # On XLA:CPU the layer's gathered weights belong to the chunk's backward, not to the head's
+  # (1b, 4 stages x 2-way ZeRO-3, 512 tokens a microbatch, bench/buffers.py: the peak is the
+  # head's backward, no layer's weights beside it). XLA:GPU: not read, counted beside either.
+  if on_gpu(shape):
+    peak, layer_weights = max(chunk, tail), layer['weights']
+  elif chunk + layer['weights'] >= tail:
+    peak, layer_weights = chunk, layer['weights']
+  else:
+    peak, layer_weights = tail, 0
   stage_weights, trained, vocab_sums, whole = loop_weights(cfg, policy, shape, frozen)
   if R > 1 and cfg.remat != 'none' and not on_gpu(shape):
-    return interleaved_cpu_phases(cfg, policy, shape, in_flight, row, chunk, layer_weights,
-                                  stage_weights, vocab_sums, whole)
-  activations = (in_flight + 4) * row + (chunk if layer_weights else tail)
+    return interleaved_cpu_phases(cfg, policy, shape, in_flight, row, chunk, layer['weights'],
+                                  tail, stage_weights, vocab_sums, whole)
+  activations = (in_flight + 4) * row + peak
   return {'activations': activations,
           'temporaries': vocab_sums + whole + layer_weights
-          + chunk_loop_copies(cfg, policy, shape, stage_weights, whole)}
+          + chunk_loop_copies(cfg, policy, shape, frozen, stage_weights, trained, whole)}
 
 
 def interleaved_cpu_phases(cfg: ModelConfig, policy: Policy, shape: StepShape, in_flight: int,
-                           row: float, chunk: float, layer_weights: float, stage_weights: float,
-                           vocab_sums: float, whole: float) -> dict[str, float]:
+                           row: float, chunk: float, layer_weights: float, tail: float,
+                           stage_weights: float, vocab_sums: float,
+                           whole: float) -> dict[str, float]:
   """Interleaved 1f1b under remat on XLA:CPU, whose peak is one of two phases (7b on 4 stages x
   2-way ZeRO-3 and on 8 stages, bench/buffers.py, each top-level loop's peak read apart). Every
   phase holds the stage's weights laid out in chunk order, whole over `fsdp` (the once-a-step
@@ -818,17 +824,19 @@ def interleaved_cpu_phases(cfg: ModelConfig, policy: Policy, shape: StepShape, i
   weights once more, one matrix per layer. The backward-only ticks (the last `scan` of
   parallel/pipeline_1f1b.py:_run) carry the kept inputs converted to fp32 where XLA:CPU upcasts
   (f32[1, 31, 4, 4096, 4096], 7.75 GiB on 8 stages at 16 microbatches, bf16 before
-  optimisation), beside the chunk's backward and a layer's weights."""
+  optimisation), beside the chunk's backward and a layer's weights, or the head's backward where
+  that is larger (not read: counted as under 1f1b)."""
   picked = _chunk_read(cfg, policy, shape, stage_weights, whole) / shape.repeats
   laid_out = whole or _chunk_read(cfg, policy, shape, stage_weights, whole)
   widened = FP32 / policy.compute_bytes if upcasts(policy, shape.backend) else 1
   forward_ticks = (in_flight + 4) * row + picked
-  backward_ticks = in_flight * row * widened + chunk + layer_weights
+  at_head = tail > chunk + layer_weights
+  backward_ticks = in_flight * row * widened + (tail if at_head else chunk + layer_weights)
   if forward_ticks > backward_ticks:
     return {'activations': (in_flight + 4) * row,
             'temporaries': vocab_sums + laid_out + 2 * picked}
-  return {'activations': in_flight * row * widened + chunk,
-          'temporaries': vocab_sums + laid_out + picked + layer_weights}
+  return {'activations': in_flight * row * widened + (tail if at_head else chunk),
+          'temporaries': vocab_sums + laid_out + picked + (0 if at_head else layer_weights)}
 
 
 def _chunk_read(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weights: float,
@@ -839,7 +847,8 @@ def _chunk_read(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weight
   return stage_weights * policy.param_bytes / divisor
 
 
-def chunk_loop_copies(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_weights: float,
+def chunk_loop_copies(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                      frozen: 'Frozen | None', stage_weights: float, trained: float,
                       whole: float) -> float:
   """Under remat the 1f1b loop (one chunk a stage) runs a chunk's layers in a loop of its own, and
   XLA:CPU holds the weights it reads twice beside the stage's: the loop's own copy and the chunk's
@@ -848,10 +857,14 @@ def chunk_loop_copies(cfg: ModelConfig, policy: Policy, shape: StepShape, stage_
   6.03 and 3.0 GiB each; the gradient sums are the step's and the loop's, `pipeline_grads`, no
   third set). Interleaved: `interleaved_cpu_phases`. XLA:GPU reads the stage's own (1b, 4 stages
   x 2-way ZeRO-3, 8 H100s, bench.buffers --target: one set of the stage's weights, no loop
-  copies)."""
+  copies). A frozen base (LoRA): not read; counted as before, the loop's copy and a set of the
+  trained weights' gradient sums."""
   if cfg.remat == 'none' or on_gpu(shape):
     return 0
-  return 2 * _chunk_read(cfg, policy, shape, stage_weights, whole)
+  read = _chunk_read(cfg, policy, shape, stage_weights, whole)
+  if frozen is not None:
+    return read + stage_weights * trained * policy.param_bytes / shards(cfg, shape, 'grads')
+  return 2 * read
 
 
 def zero_bubble_loop(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -928,7 +941,8 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
   gathered weights at the peak, at 4 and 8 microbatches; counted twice, +6.2 % at 8)."""
   if shape.repeats == 1 or not shape.gathers_params or shape.stage_whole:
     return 0
-  uncast = jnp.dtype(policy.param_dtype) == jnp.dtype(policy.compute_dtype)
+  uncast = (jnp.dtype(policy.param_dtype) == jnp.dtype(policy.compute_dtype)
+            and not on_gpu(shape))   # XLA:GPU: not read
   others = shape.layer_split(cfg).depth - (1 if uncast else 0)
   return others * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer) / shape.tensor * (
       FP32 if upcasts(policy, shape.backend) else policy.param_bytes) * gathered(cfg, shape)
@@ -1241,7 +1255,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # ...] and [8, 1, 4096, ...], 6.03 GiB each, and no third; circular's loop sum and its chunk's
   # [4, 1, 4096, ...] pair). Circular without remat: not read (100m, 1-layer chunks: within 5 %
   # without it), not counted. XLA:GPU: not read, not counted.
-  whole_sums = ((grads + pipeline_grads) * (shards(cfg, shape, 'grads') / shape.tensor - 1)
+  whole_sums = (2 * (stage_layers * p * gathered(cfg, shape) / shape.tensor - pipeline_grads)
                 if shape.stage_whole and not on_gpu(shape) and frozen is None
                 and (shape.repeats == 1 or cfg.remat != 'none') else 0)
   layer_phase = {'activations': (saved + ring + layer['activations']
