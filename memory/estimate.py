@@ -826,8 +826,8 @@ def interleaved_cpu_phases(cfg: ModelConfig, policy: Policy, shape: StepShape, i
   (f32[1, 31, 4, 4096, 4096], 7.75 GiB on 8 stages at 16 microbatches, bf16 before
   optimisation), beside the chunk's backward and a layer's weights, or the head's backward where
   that is larger (not read: counted as under 1f1b)."""
-  picked = _chunk_read(cfg, policy, shape, stage_weights, whole) / shape.repeats
-  laid_out = whole or _chunk_read(cfg, policy, shape, stage_weights, whole)
+  read = _chunk_read(cfg, policy, shape, stage_weights, whole)
+  picked, laid_out = read / shape.repeats, whole or read
   widened = FP32 / policy.compute_bytes if upcasts(policy, shape.backend) else 1
   forward_ticks = (in_flight + 4) * row + picked
   at_head = tail > chunk + layer_weights

@@ -181,26 +181,30 @@ def test_the_formerly_worst_layouts_meet_the_compiler(tmp_path, preset, layout, 
   bf16 with fp32 weights, full remat, a sequence per device, 64 simulated devices (512 where the
   row is about padding; a child process: this one has 8); within 5 % of the installed jax's
   compiled total (`was`: before)."""
+  layout = dict(layout)
+  devices = layout.pop('host_devices', 64)
+  memory = _dry_run(tmp_path, f'configs/default.py:{preset}', devices, child_environ(), {
+      'precision': 'bf16_mixed', 'model.remat': 'full', 'train.batch_size': devices,
+      'train.microbatches': 1, 'mesh.data': 1, 'mesh.fsdp': -1, **layout})
+  compiled, estimate_ = memory['per_device_bytes']['total'], memory['estimate_bytes']['total']
+  assert abs(estimate_ / compiled - 1) <= 0.05, (estimate_, compiled, was)
+
+
+def _dry_run(tmp_path, config: str, devices: int, env: dict, overrides: dict) -> dict:
+  """memory.json of `main.py --dry_run` in a child process with `env` (its own device count)."""
   import json
   import os
   import subprocess
   import sys
-  layout = dict(layout)
-  devices = layout.pop('host_devices', 64)
-  overrides = {'precision': 'bf16_mixed', 'model.remat': 'full', 'train.batch_size': devices,
-               'train.microbatches': 1, 'mesh.data': 1, 'mesh.fsdp': -1, 'compile_cache': '',
-               **layout}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run(
-      [sys.executable, os.path.join(root, 'main.py'), f'--config=configs/default.py:{preset}',
-       '--dry_run', f'--host_devices={devices}', f'--workdir={tmp_path}',
-       *(f'--config.{k}={v}' for k, v in overrides.items())],
-      cwd=root, env=child_environ(), capture_output=True, text=True)
+      [sys.executable, os.path.join(root, 'main.py'), f'--config={config}', '--dry_run',
+       f'--host_devices={devices}', f'--workdir={tmp_path}',
+       *(f'--config.{k}={v}' for k, v in {**overrides, 'compile_cache': ''}.items())],
+      cwd=root, env=env, capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-2000:]
   with open(tmp_path / 'memory.json') as f:
-    memory = json.load(f)
-  compiled, estimate_ = memory['per_device_bytes']['total'], memory['estimate_bytes']['total']
-  assert abs(estimate_ / compiled - 1) <= 0.05, (estimate_, compiled, was)
+    return json.load(f)
 
 
 def test_gradients_not_formed_at_the_peak_are_a_part_of_their_own():
@@ -219,7 +223,6 @@ def test_gradients_not_formed_at_the_peak_are_a_part_of_their_own():
   assert '+ unformed_grads' not in text and 'total' not in text
 
 
-
 @pytest.mark.skipif(jax.__version_info__[:2] != (0, 10), reason=(
     "the XLA:CPU terms are jax 0.10.2's: 0.11.2 compiles this step to 33.50 GiB and 0.12.0.1 to "
     "27.46, without the chunk loop's copies"))
@@ -229,21 +232,9 @@ def test_1f1b_under_remat_meets_the_compiler_at_7b(tmp_path):
   loop's second weight copy was counted; bench/results/pipeline_7b_vocab_stage.json). Compiled
   as a user compiles it (a child without the suite's quick compile, whose program at this point
   holds 4 GiB less)."""
-  import json
   import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  overrides = {'model.num_layers': 32, 'train.batch_size': 64, 'train.microbatches': 1,
-               'mesh.stage': 4, 'mesh.fsdp': -1, 'parallel.pipeline_microbatches': 32,
-               'parallel.pipeline_schedule': '1f1b', 'compile_cache': ''}
-  done = subprocess.run(
-      [sys.executable, os.path.join(root, 'main.py'), '--config=configs/pipeline.py:7b',
-       '--dry_run', '--host_devices=8', f'--workdir={tmp_path}',
-       *(f'--config.{k}={v}' for k, v in overrides.items())],
-      cwd=root, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True)
-  assert done.returncode == 0, done.stderr[-2000:]
-  with open(tmp_path / 'memory.json') as f:
-    memory = json.load(f)
+  memory = _dry_run(tmp_path, 'configs/pipeline.py:7b', 8, {**os.environ, 'XLA_FLAGS': ''}, {
+      'model.num_layers': 32, 'train.batch_size': 64, 'train.microbatches': 1, 'mesh.stage': 4,
+      'mesh.fsdp': -1, 'parallel.pipeline_microbatches': 32, 'parallel.pipeline_schedule': '1f1b'})
   compiled, estimate_ = memory['per_device_bytes']['total'], memory['estimate_bytes']['total']
   assert abs(estimate_ / compiled - 1) <= 0.05, (compiled, memory['estimate_bytes'])
