@@ -1025,9 +1025,28 @@ def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
   1b and 7b)."""
   if not on_gpu(shape) or not shape.sharded('params') or shape.fsdp == 1 or frozen is not None:
     return 0
+  if relaid_stage_weights(cfg, policy, shape):
+    # Circular's loop sums into a carry laid out d_model first itself; the transposed copies at
+    # the peak are of the re-laid weights, which `relaid_stage_weights` counts.
+    return 0
   q = cfg.num_heads * cfg.head_dim
   return (shape.stage_layers(cfg) * (cfg.mlp_dim + q) * cfg.d_model * policy.param_bytes
           / (shape.fsdp * shape.tensor))
+
+
+def relaid_stage_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """Circular on XLA:GPU: the stage's weights re-laid from their contiguous stored order into the
+  schedule's chunks (`parallel/pipeline.py:on_stages`, an all-to-all and a collective-permute in
+  the entry computation), a second copy of the stage's layer weight shards held through the step
+  beside the stored one; the layers whose sharded d_model is last are held transposed (7b, 4
+  stages x 2 repeats x 2-way ZeRO-3, 4 microbatches on 8 H100s, bench.buffers --target: five
+  f32[2, 1, 1, 4, 2048, ...] collective-permute results and two `input_transpose_fusion`s, 3.02
+  GiB, at the backward loop's peak; the loop's gradient carry is a set of its own). XLA:CPU: not
+  apart from the terms it is calibrated on; gathered whole once (`stage_whole`): not read."""
+  if shape.repeats == 1 or not on_gpu(shape) or shape.backward_in_loop or shape.stage_whole:
+    return 0
+  return shape.stage_layers(cfg) * cfg.params_per_layer * policy.param_bytes / shards(
+      cfg, shape, 'params')
 
 
 def fp32_moment_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -1262,7 +1281,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                                  + pipeline_slices(cfg, policy, shape)),
                  'temporaries': common + shard_copies + layer['weights'] + vocab['held']
                  + transposed_stacks(cfg, policy, shape, frozen)
-                 + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads + whole_sums}
+                 + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads + whole_sums
+                 + relaid_stage_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
   reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
                      + (transposed_gradient(cfg, policy, shape) if frozen is None else 0)}

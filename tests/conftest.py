@@ -20,8 +20,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")   # read when jax is imported, as 
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
 
 from tests.helpers import QUICK_COMPILE  # noqa: E402  (imports jax, after the two above)
+from parallel import xla_flags  # noqa: E402
+from parallel.target import DEVICELESS_FLAGS  # noqa: E402
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
+# A step compiled here for GPUs that are not here is scheduled with the flags a run on the target
+# gets (what `--target` sets: parallel/target.py:prepare); XLA:CPU reads none of them.
+os.environ["XLA_FLAGS"] = xla_flags.merged(os.environ["XLA_FLAGS"],
+                                           xla_flags.GPU_TRAINING_FLAGS + DEVICELESS_FLAGS)[0]
 
 
 def pytest_configure(config):

@@ -240,13 +240,22 @@ def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
     ('70b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 2}),
     # ZeRO-1: a whole MLP gradient stack transposed before it is sliced (-5 % without it).
     ('7b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 1}),
+    # Circular: the stage's weights re-laid into the schedule's chunks, a second copy (-7.5 %
+    # without it).
+    ('pipeline:100m', {'mesh.stage': 4, 'mesh.data': 1, 'mesh.fsdp': 2, 'parallel.zero_stage': 3,
+                       'parallel.pipeline_schedule': 'circular', 'parallel.pipeline_repeats': 3,
+                       'parallel.pipeline_microbatches': 4}),
 ])
 def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):
   """The analytic estimate on a GPU against XLA:GPU's compiled total, 8 H100s, one sequence each
   (sweeps/estimate.py:gpu measures every layout; these two pin terms XLA:CPU does not have)."""
   from configs import default
   from train import run
-  config = default.get_config(preset)
+  if preset.startswith('pipeline:'):
+    from configs.layouts import layout_config
+    config = layout_config('pipeline', preset.split(':')[1])
+  else:
+    config = default.get_config(preset)
   for key, value in {**layout, 'train.batch_size': 8, 'precision': 'bf16_mixed',
                      'model.remat': 'full', 'train.microbatches': 1}.items():
     default.override(config, key, value)
