@@ -28,6 +28,11 @@ class Shard(NamedTuple):
   start_fraction: float = 0.0
   end_fraction: float = 1.0
 
+  def byte_range(self, size: int) -> tuple[int, int]:
+    """[start, stop) in bytes of a file of `size` bytes: the same int() of the same product for
+    every reader (preparation, tokenizer training, the run's own cache)."""
+    return int(size * self.start_fraction), int(size * self.end_fraction)
+
 
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 
@@ -68,6 +73,15 @@ def hash_fraction(relpath: str) -> float:
   return int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:8], 16) / 2**32
 
 
+VAL_FRACTION = 0.05   # the share of documents held out for validation unless a command says
+
+
+def held_out(place: str, val_fraction: float) -> bool:
+  """Whether the document at `place` (a file's path relative to the corpus root, or that path and
+  the document's key in the file, `path:key`) validates rather than trains."""
+  return hash_fraction(place) < val_fraction
+
+
 def split_files(root: str, files: Sequence[str],
                 val_fraction: float) -> tuple[list[Shard], list[Shard]]:
   """Splits the corpus into (train_shards, val_shards), the same way on every run and machine.
@@ -83,7 +97,7 @@ def split_files(root: str, files: Sequence[str],
   train, val = [], []
   for path in sorted(files):
     relpath = os.path.relpath(path, root).replace(os.sep, "/")
-    (val if hash_fraction(relpath) < val_fraction else train).append(Shard(path))
+    (val if held_out(relpath, val_fraction) else train).append(Shard(path))
   if train and val:
     return train, val
   cut = 1.0 - val_fraction

@@ -50,7 +50,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from data.corpus import DataError, Shard, hash_fraction, list_files, split_files
+from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
 from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
                         write_atomic, write_json)
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
@@ -101,7 +101,7 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
   for split, documents in (('train', train), ('val', val), (BY_DOCUMENT, by_document)):
     group, group_bytes = [], 0   # a group holds one split's documents (or files of documents)
     for doc in sorted(documents):
-      start, stop = _range(doc, sizes[doc.path])
+      start, stop = doc.byte_range(sizes[doc.path])
       if group and group_bytes + (stop - start) > shard_mb * 2**20:
         groups.append(group)
         group, group_bytes = [], 0
@@ -118,11 +118,6 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
   if by_document:   # (absent from a plan of whole text files, as plans made before it had it)
     plan['reading'] = reading._asdict()
   return plan
-
-
-def _range(doc: Shard, size: int) -> tuple[int, int]:
-  """The document's byte range in its file (the same int() of the same product as every reader)."""
-  return int(size * doc.start_fraction), int(size * doc.end_fraction)
 
 
 # ---- the inputs' fingerprints: what changed since a preparation -------------------------------
@@ -268,7 +263,7 @@ class _Group:
       if self.is_bytes and b'\x00' in data:
         self.bad.add(NUL_REASON, doc.place())
         continue
-      split = 'val' if hash_fraction(f'{rel}:{doc.key}') < val_fraction else 'train'
+      split = 'val' if held_out(f'{rel}:{doc.key}', val_fraction) else 'train'
       batch.append((split, doc.text, data))
       batch_bytes += len(data)
       if batch_bytes >= READ_BYTES or len(batch) >= 4096:
@@ -306,7 +301,7 @@ class _Group:
 
 def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: str,
                   dtype: str, inputs: dict, reading: dict | None = None,
-                  val_fraction: float = 0.05, on_bad_record: str = 'fail') -> dict:
+                  val_fraction: float = VAL_FRACTION, on_bad_record: str = 'fail') -> dict:
   """Tokenizes group `index` into its shards and writes its record (with `inputs`, the plan's
   fingerprints of the group's files, and the bad records skipped); returns the record. On an
   error nothing of the group is left under a final name."""
@@ -317,7 +312,7 @@ def prepare_group(out: str, index: int, group: list, root: str, tokenizer_spec: 
   try:
     for relpath, start_fraction, end_fraction, split in group:
       path = os.path.join(root, relpath)
-      start, stop = _range(Shard(path, start_fraction, end_fraction), os.path.getsize(path))
+      start, stop = Shard(path, start_fraction, end_fraction).byte_range(os.path.getsize(path))
       if split == BY_DOCUMENT:
         fmt = file_format(path)
         writing.records(path, fmt, relpath, reading, val_fraction,
@@ -426,7 +421,7 @@ def build_index(plan: dict, records: list[dict]) -> dict:
 
 
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
-            val_fraction: float = 0.05, shard_mb: float = 256, progress: bool = True,
+            val_fraction: float = VAL_FRACTION, shard_mb: float = 256, progress: bool = True,
             rebuild_stale: bool = False, reading: Reading = Reading(),
             on_bad_record: str = 'fail') -> dict:
   """Prepares (or finishes preparing) `pattern` into `out`; returns the index. `rebuild_stale`:
@@ -488,7 +483,7 @@ def _remove_leftovers(out: str) -> None:
 
 
 def _group_bytes(plan: dict, group: list) -> int:
-  ranges = (_range(Shard(rel, a, b), plan['files'][rel]) for rel, a, b, _ in group)
+  ranges = (Shard(rel, a, b).byte_range(plan['files'][rel]) for rel, a, b, _ in group)
   return sum(stop - start for start, stop in ranges)
 
 
@@ -523,7 +518,7 @@ def main(argv=None) -> int:
                       help="'bytes', or a tokenizer.json / Hugging Face checkpoint directory")
   parser.add_argument('--out', required=True, help='the directory of shards (new, or an earlier try)')
   parser.add_argument('--workers', type=int, default=1, help='tokenizing processes')
-  parser.add_argument('--val_fraction', type=float, default=0.05)
+  parser.add_argument('--val_fraction', type=float, default=VAL_FRACTION)
   parser.add_argument('--shard_mb', type=float, default=256, help='input MiB per group of shards')
   args = parser.parse_args(argv)
   started = time.perf_counter()

@@ -13,13 +13,18 @@ to a multiple of 128: train/checks.py).
 
 Whole text files are read in blocks cut after a newline (BPE tokens never span one); `--max_mb`
 stops after that much input (in path order), for a corpus larger than a tokenizer needs.
+
+It trains on the training side only: the documents that `python -m data.prepare` with the same
+`--val_fraction` (default 0.05, as there) holds out for validation are left out, the same files,
+records and byte ranges (data/corpus.py's split), so validation text is unseen by the tokenizer as
+by the model; `--val_fraction=0` trains on every document.
 """
 import argparse
 import os
 import sys
 import time
 
-from data.corpus import DataError, list_files
+from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
 from data.files import write_atomic, write_json
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns,
                           describe_bad_records, documents, file_format, parse_delimiter,
@@ -29,19 +34,29 @@ BOS, EOS = '<|begin_of_text|>', '<|end_of_text|>'
 MIN_VOCAB = 256 + 2   # every byte, and the two markers
 
 
-def corpus_texts(pattern: str, reading: Reading, bad: BadRecords, max_bytes: int | None = None):
-  """The corpus's documents as strings (a whole text file in newline-cut blocks), in path order,
-  until `max_bytes` of UTF-8 have been given. Yields (text, its UTF-8 bytes)."""
+def corpus_texts(pattern: str, reading: Reading, bad: BadRecords, max_bytes: int | None = None,
+                 val_fraction: float = 0.0):
+  """The corpus's training documents as strings (a whole text file, or its training part, in
+  newline-cut blocks), in path order, until `max_bytes` of UTF-8 have been given; those that
+  data.prepare holds out at `val_fraction` are left out. Yields (text, its UTF-8 bytes)."""
   root, files = list_files(pattern)
   check_parquet_columns([p for p in files if file_format(p) == 'parquet'], reading, root)
+  whole = [p for p in files if not reading.by_document(file_format(p))]
+  trains = ({shard.path: shard for shard in split_files(root, whole, val_fraction)[0]}
+            if whole and val_fraction > 0 else {p: Shard(p) for p in whole})
   given = 0
   for path in files:
     fmt = file_format(path)
     if reading.by_document(fmt):
-      texts = (doc.text for doc in documents(path, fmt, reading, bad))
-    else:
+      rel = os.path.relpath(path, root)
+      texts = (doc.text for doc in documents(path, fmt, reading, bad)
+               if not held_out(f'{rel}:{doc.key}', val_fraction))
+    elif path in trains:
+      start, stop = trains[path].byte_range(os.path.getsize(path))
       texts = (block.decode('utf-8', errors='replace')
-               for block in text_blocks(path, 0, os.path.getsize(path), cut_at_newline=True))
+               for block in text_blocks(path, start, stop, cut_at_newline=True))
+    else:   # a whole file held out
+      continue
     for text in texts:
       size = len(text.encode('utf-8', errors='replace'))
       yield text, size
@@ -52,12 +67,16 @@ def corpus_texts(pattern: str, reading: Reading, bad: BadRecords, max_bytes: int
 
 def train(pattern: str, vocab_size: int, out: str, *, reading: Reading = Reading(),
           on_bad_record: str = 'fail', max_mb: float | None = None,
-          progress: bool = True) -> dict:
-  """Trains the tokenizer and writes it into `out` (new or empty); returns a summary."""
+          val_fraction: float = VAL_FRACTION, progress: bool = True) -> dict:
+  """Trains the tokenizer on the training side of the corpus at `val_fraction` and writes it into
+  `out` (new or empty); returns a summary."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
     raise DataError(f'--vocab_size={vocab_size!r}; it must be at least {MIN_VOCAB} (every byte '
                     'and the two document markers)')
+  if not (val_fraction == 0 or 0 < val_fraction <= 0.5):
+    raise DataError(f'--val_fraction={val_fraction!r} must be in (0, 0.5] as data.prepare takes it, '
+                    'or 0 to train on every document')
   if max_mb is not None and not max_mb > 0:
     raise DataError(f'--max_mb={max_mb!r} must be a positive number of MB (or left out: all)')
   if os.path.isdir(out) and os.listdir(out):
@@ -76,7 +95,7 @@ def train(pattern: str, vocab_size: int, out: str, *, reading: Reading = Reading
 
   def texts():
     for text, size in corpus_texts(pattern, reading, bad,
-                                   None if max_mb is None else int(max_mb * 1e6)):
+                                   None if max_mb is None else int(max_mb * 1e6), val_fraction):
       seen['documents'] += 1
       seen['bytes'] += size
       yield text
@@ -91,7 +110,7 @@ def train(pattern: str, vocab_size: int, out: str, *, reading: Reading = Reading
              {'bos_token': BOS, 'eos_token': EOS, 'model_max_length': None,
               'tokenizer_class': 'PreTrainedTokenizerFast'})
   return {'vocab_size': tokenizer.get_vocab_size(with_added_tokens=True), 'seconds': seconds,
-          'bad_records': bad.to_json(), **seen}
+          'bad_records': bad.to_json(), 'val_fraction': val_fraction, **seen}
 
 
 def main(argv=None) -> int:
@@ -106,18 +125,24 @@ def main(argv=None) -> int:
   parser.add_argument('--text_field', default='text')
   parser.add_argument('--document_delimiter', default='')
   parser.add_argument('--on_bad_record', default='fail', choices=ON_BAD_RECORD)
+  parser.add_argument('--val_fraction', type=float, default=VAL_FRACTION,
+                      help="the documents data.prepare's --val_fraction holds out are left out "
+                      '(0: train on every document)')
   parser.add_argument('--max_mb', type=float, default=None,
                       help='train on the first MB of input only (default: all of it)')
   args = parser.parse_args(argv)
   try:
     summary = train(args.input, args.vocab_size, args.out,
                     reading=Reading(args.text_field, parse_delimiter(args.document_delimiter)),
-                    on_bad_record=args.on_bad_record, max_mb=args.max_mb)
+                    on_bad_record=args.on_bad_record, max_mb=args.max_mb,
+                    val_fraction=args.val_fraction)
   except DataError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  held = (f', the validation side (--val_fraction={args.val_fraction:g}) left out'
+          if args.val_fraction else '')
   print(f'tokenizer   {summary["vocab_size"]:,} tokens trained on {summary["documents"]:,} '
-        f'documents, {summary["bytes"] / 1e6:.1f} MB, in {summary["seconds"]:.1f} s: '
+        f'documents, {summary["bytes"] / 1e6:.1f} MB{held}, in {summary["seconds"]:.1f} s: '
         f'{os.path.join(args.out, "tokenizer.json")}')
   if summary['bad_records']:
     print(describe_bad_records(summary['bad_records']))

@@ -18,7 +18,9 @@ from data.mixture import PERIOD, MixtureBatches, parse, shares
 from data.prepare import main as prepare_main, prepare
 from data.records import Reading, parse_delimiter
 from data.tokenizer import HFTokenizer
-from data.train_tokenizer import train as train_tokenizer
+from data.corpus import held_out
+from data.records import BadRecords, documents, file_format
+from data.train_tokenizer import corpus_texts, train as train_tokenizer
 from data.windows import Windows
 from tests.helpers import tiny_config
 from tests.test_run import losses_by_step, read_metrics
@@ -174,12 +176,47 @@ def test_a_cut_compressed_file_is_a_bad_record(tmp_path):
   assert 0 < index['splits']['train']['documents'] + index['splits']['val']['documents'] < 50
 
 
+@pytest.mark.parametrize('kind', ['records', 'whole files', 'cut files'])
+def test_the_tokenizer_trains_on_the_training_side_data_prepare_makes(corpus, tmp_path, kind):
+  """The documents `python -m data.tokenizer` reads at a --val_fraction are those data.prepare
+  puts in train at that fraction, none of its validation documents: records of every format, whole
+  text files sent to a side by their path, and text files each cut into a training and a
+  validation part (where the paths alone would leave a side empty)."""
+  root, docs = corpus
+  delimiter = ''
+  if kind == 'records':
+    pattern, delimiter = f'{root}/*', '<|endoftext|>'
+  else:
+    names = [f'f{i}.txt' for i in range(12)] if kind == 'whole files' else ['only.txt']
+    for i, name in enumerate(names):
+      (tmp_path / name).write_text(''.join(docs[20 * i:20 * i + 20]))
+    pattern = f'{tmp_path}/*.txt'
+  out = tmp_path / 'out'
+  prepare(pattern, 'bytes', str(out), val_fraction=0.3, progress=False,
+          reading=Reading('text', parse_delimiter(delimiter)))
+  train_side, val_side = _split_docs(out, 'train'), _split_docs(out, 'val')
+  assert train_side and val_side
+  read = [text.encode() for text, _ in corpus_texts(
+      pattern, Reading('text', parse_delimiter(delimiter)), BadRecords('fail'), val_fraction=0.3)]
+  # (A file cut by bytes may be cut inside a character, which the tokenizer reads as U+FFFD.)
+  assert sorted(read) == sorted(d.decode('utf-8', errors='replace').encode() for d in train_side)
+  everything = [text for text, _ in corpus_texts(
+      pattern, Reading('text', parse_delimiter(delimiter)), BadRecords('fail'), val_fraction=0)]
+  assert len(b''.join(t.encode() for t in everything)) == sum(map(len, train_side + val_side))
+
+
 def test_a_trained_tokenizer_round_trips_and_a_run_takes_its_vocabulary(corpus, tmp_path):
   root, docs = corpus
   tokenizer_dir = tmp_path / 'tok'
   summary = train_tokenizer(f'{root}/*.jsonl*', 300, str(tokenizer_dir), progress=False)
   # (Up to 300: merging stops where no pair of this small vocabulary occurs twice.)
-  assert 258 < summary['vocab_size'] <= 300 and summary['documents'] == 160
+  assert 258 < summary['vocab_size'] <= 300
+  # The 160 documents less those data.prepare holds out at its default --val_fraction, 0.05
+  # (which ones: the test above).
+  held = sum(held_out(f'{os.path.basename(p)}:{d.key}', 0.05)
+             for p in sorted(map(str, root.glob('*.jsonl*')))
+             for d in documents(p, file_format(p), Reading(), BadRecords('fail')))
+  assert 0 < held < 160 and summary['documents'] == 160 - held and summary['val_fraction'] == 0.05
   tokenizer = HFTokenizer(str(tokenizer_dir))
   assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id) == (summary['vocab_size'], 0, 1)
   for text in docs[:5]:   # byte-level BPE: any text encodes and decodes exactly, in fewer tokens
