@@ -11,7 +11,8 @@ it. Files are grouped, in path order, into groups of about `--shard_mb` MiB of i
 file makes a group of its own; an uncompressed JSON Lines file larger than that is cut into
 byte ranges, each a group). One worker process tokenizes one group, streaming (its memory is
 bounded whatever the size of a file), into `train-NNNNN.bin` and `val-NNNNN.bin`: the token ids
-as uint16 when the vocabulary fits, else uint32, every document stored as [bos] + tokens + [eos]
+as uint8, uint16 or uint32, the narrowest that holds the vocabulary (a preparation of an older
+version in a wider type still reads), every document stored as [bos] + tokens + [eos]
 (data/tokenizer.py). A bad record stops the preparation (`--on_bad_record=fail`, one line naming
 file, line and reason; the group's files are removed, nothing is recorded as done) or is skipped
 and counted per reason in its group's record and the index (`skip`).
@@ -60,7 +61,9 @@ from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-  return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+  """The narrowest unsigned integer that holds every id (the byte tokenizer's: a byte each)."""
+  return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16
+                  else np.uint32)
 
 
 def open_tokenizer(spec: str):
