@@ -7,6 +7,7 @@ corpus size.
   python -m bench.data formats [--input_mb=1000] [--workers=1,2]          # MB/s and peak RSS per format
   python -m bench.data tokenizer [--input_mb=100 --vocab_size=32000]      # BPE training time
   python -m bench.data curves --runs=W1,W2 [--chart=PNG]                  # loss in bits per byte
+  python -m bench.data start [--input_mb=10000]                           # a run's start on it
 
 `prepare` runs `data.prepare` on the embedded corpus (31.5 MB of the standard library's source) cut
 into groups of 4 MiB, with the byte tokenizer or a 4096-token byte-level BPE trained here on a slice
@@ -27,6 +28,8 @@ process: seconds and peak resident memory.
 the same data) and puts their losses on one scale, bits per byte of input text: the training loss
 every log step through the train split's bytes per token, the validation loss as evaluated; with
 --chart, a PNG of both against steps and against input bytes seen.
+`start` prepares --input_mb of that repeated text (byte tokenizer) and times a run's start on it in
+a fresh process per `data.verify_inputs` mode, with the bytes it read to check inputs and shards.
 Everything is written under --scratch (default a temporary directory) and removed afterwards.
 """
 import argparse
@@ -43,6 +46,7 @@ import numpy as np
 
 from data import PreparedData, TokenBatches, Windows
 from data.corpus import list_files
+from data.files import VERIFY_MODES
 from data.records import FORMATS
 from data.prepare import prepare
 from train.metrics import read_rows
@@ -92,16 +96,16 @@ def bench_loader(scratch: str, batch_size: int, seq_len: int, steps: int) -> lis
 
 def _write_corpus(directory: str, megabytes: float) -> None:
   """Text files of the standard library, repeated under distinct names, to `megabytes` of tokens
-  (two bytes each: half as many bytes of text)."""
+  (the byte tokenizer's: a byte each, as many as the text's bytes)."""
   _, files = list_files('')
   os.makedirs(directory)
   written, copy = 0, 0
-  while written < megabytes * 1e6 / 2:
+  while written < megabytes * 1e6:
     for path in files:
       target = os.path.join(directory, f'{copy:04d}-{os.path.basename(path)}')
       shutil.copyfile(path, target)
       written += os.path.getsize(target)
-      if written >= megabytes * 1e6 / 2:
+      if written >= megabytes * 1e6:
         break
     copy += 1
 
@@ -235,6 +239,42 @@ def bench_formats(scratch: str, megabytes: float, workers: list[int]) -> list[di
   return rows
 
 
+def start_once(prepared: str, verify: str) -> None:
+  """One run's start on `prepared` (a fresh process): its data opened and checked as
+  data.verify_inputs=`verify` says, and a first batch taken (which opens this process's shards);
+  prints the seconds and the bytes read to check, as JSON."""
+  from data import files
+  from data.source import SourceKey, open_data
+  started = time.perf_counter()
+  data = open_data(SourceKey(prepared, 'bytes', 0.05), os.path.dirname(prepared), progress=False,
+                   verify=verify)
+  next(TokenBatches(Windows(data.split('train'), 2048, True), global_batch_size=8, seed=0))
+  print(json.dumps({'seconds': time.perf_counter() - started, 'read': files.verified['bytes']}))
+
+
+def bench_start(scratch: str, megabytes: float, workers: int) -> list[dict]:
+  """A corpus of `megabytes` of text prepared (byte tokenizer), then a run's start on it in a
+  fresh process per data.verify_inputs mode (the files are in the page cache from the
+  preparation: the time of the reads, not of a cold disk)."""
+  corpus, prepared = os.path.join(scratch, 'corpus'), os.path.join(scratch, 'prepared')
+  _write_corpus(corpus, megabytes)
+  made = _measured([sys.executable, '-m', 'data.prepare', f'--input={corpus}/*',
+                    '--tokenizer=bytes', f'--out={prepared}', f'--workers={workers}'])
+  text = sum(s['bytes'] for s in PreparedData(prepared).index['splits'].values())
+  shards = sum(os.path.getsize(os.path.join(prepared, f)) for f in os.listdir(prepared)
+               if f.endswith('.bin'))
+  rows = []
+  for verify in VERIFY_MODES:
+    run = _measured([sys.executable, '-c', f'from bench.data import start_once; '
+                     f'start_once({prepared!r}, {verify!r})'])
+    start = json.loads(run['output'].strip().splitlines()[-1])
+    rows.append({'text_mb': text / 1e6, 'shards_mb': shards / 1e6, 'files': len(os.listdir(corpus)),
+                 'prepare_s': made['seconds'], 'verify_inputs': verify,
+                 'start_s': start['seconds'], 'read_mb': start['read'] / 1e6,
+                 'process_s': run['seconds']})
+  return rows
+
+
 def bench_tokenizer(scratch: str, megabytes: float, vocab_size: int) -> list[dict]:
   _write_formats(scratch, megabytes, files=4)
   for fmt in FORMATS[2:]:
@@ -312,7 +352,7 @@ def _table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m bench.data', description=__doc__.split('\n')[0])
   parser.add_argument('what', choices=('prepare', 'loader', 'memory', 'formats', 'tokenizer',
-                                       'curves'))
+                                       'curves', 'start'))
   parser.add_argument('--tokenizer', default='bytes', choices=('bytes', 'bpe'))
   parser.add_argument('--workers', default='1,2')
   parser.add_argument('--batch_size', type=int, default=16)
@@ -320,7 +360,8 @@ def main(argv=None) -> None:
   parser.add_argument('--steps', type=int, default=500)
   parser.add_argument('--sizes_mb', default='30,300,3000')
   parser.add_argument('--input_mb', type=float, default=None,
-                      help='formats: MB of text per format (default 1000); tokenizer: (100)')
+                      help='formats: MB of text per format (default 1000); tokenizer: (100); '
+                      'start: (10000)')
   parser.add_argument('--vocab_size', type=int, default=32000)
   parser.add_argument('--runs', default='', help='curves: finished runs\' workdirs, comma-separated')
   parser.add_argument('--chart', default=None, help='curves: a PNG to write')
@@ -334,6 +375,8 @@ def main(argv=None) -> None:
       rows = bench_formats(scratch, args.input_mb or 1000, [int(n) for n in args.workers.split(',')])
     elif args.what == 'curves':
       rows = bench_curves(args.runs.split(','), args.chart)
+    elif args.what == 'start':
+      rows = bench_start(scratch, args.input_mb or 10000, max(int(n) for n in args.workers.split(',')))
     elif args.what == 'tokenizer':
       rows = bench_tokenizer(scratch, args.input_mb or 100, args.vocab_size)
     elif args.what == 'loader':

@@ -61,6 +61,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
                                           # made by python -m data.prepare
       val_fraction=0.05,                  # of the documents, by path hash (a glob; a prepared
                                           # directory has its own split)
+      verify_inputs='sampled',            # a start checks inputs and shards by size and a sampled
+                                          # fingerprint (<= 512 KiB a file); 'full': every byte
       packing=True,                       # several documents per row, kept apart by segment ids;
                                           # False: one document per row, padded
       tokenizer='bytes',                  # 'bytes', or a tokenizer.json / Hugging Face checkpoint

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
 from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
+                        sampled_fingerprint, spread,
                         write_atomic, write_json)
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
                           describe_bad_records, documents, file_format, merge_bad_records,
@@ -76,14 +77,19 @@ def open_tokenizer(spec: str):
 
 # ---- the plan: which documents, in which group, on which side ----------------------------------
 
+SHARD_MB = 256   # --shard_mb: MiB of input per group, unless a command says
+
 # The `split` of a plan entry whose file holds many documents, each sent to train or validation by
 # a hash of the file and its place in it (data/records.py).
 BY_DOCUMENT = 'by_document'
 
 
 def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
-              reading: Reading = Reading()) -> dict:
-  """Everything the preparation will do, fixed before any tokenizing (and compared on resume)."""
+              reading: Reading = Reading(), full: bool = True) -> dict:
+  """Everything the preparation will do, fixed before any tokenizing (and compared on resume).
+  `full`: with every input's fingerprint of its whole content and sampled one; else the sampled
+  ones of a spread of SAMPLED_FILES inputs alone (the bounded check of a run's start,
+  `prepared_already`)."""
   if not shard_mb > 0:
     raise DataError(f'--shard_mb={shard_mb!r} must be a positive number of MiB')
   if not 0 < val_fraction <= 0.5:
@@ -116,8 +122,12 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
           'dtype': token_dtype(tokenizer.vocab_size).name, 'val_fraction': val_fraction,
           'files': {os.path.relpath(p, root): s for p, s in sizes.items()}, 'groups': groups,
           # The content, not only the size: an input rewritten with other bytes of the same
-          # length (and its mtime kept) must not pass for the one prepared.
-          'fingerprints': {os.path.relpath(p, root): file_fingerprint(p) for p in files}}
+          # length (and its mtime kept) must not pass for the one prepared. Sampled: what a run's
+          # start checks without reading every input whole (data.verify_inputs).
+          'samples': {os.path.relpath(p, root): sampled_fingerprint(p)
+                      for p in (files if full else spread(files))}}
+  if full:
+    plan['fingerprints'] = {os.path.relpath(p, root): file_fingerprint(p) for p in files}
   if by_document:   # (absent from a plan of whole text files, as plans made before it had it)
     plan['reading'] = reading._asdict()
   return plan
@@ -125,9 +135,10 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
 
 # ---- the inputs' fingerprints: what changed since a preparation -------------------------------
 
-def _records(inputs: dict) -> dict:
-  """{relative path: (size, fingerprint)} of a plan, or of an index's `inputs` (the same keys)."""
-  fingerprints = inputs.get('fingerprints', {})
+def _records(inputs: dict, key: str = 'fingerprints') -> dict:
+  """{relative path: (size, fingerprint)} of a plan, or of an index's `inputs` (the same keys);
+  `key`: 'fingerprints' (of the whole content) or 'samples' (sampled)."""
+  fingerprints = inputs.get(key, {})
   return {rel: (size, fingerprints.get(rel)) for rel, size in inputs['files'].items()}
 
 
@@ -147,25 +158,34 @@ def _first_change(root: str, before: dict, now: dict) -> str | None:
   return None
 
 
-def _readable_record(path: str, size: int) -> tuple | None:
+def _readable_record(path: str, size: int, fingerprint=file_fingerprint) -> tuple | None:
   """(size, fingerprint) of `path` now (the fingerprint only if the size still matches: a changed
   size needs no read); None where it is absent or unreadable."""
   try:
     if not os.path.isfile(path):
       return None
     now = os.path.getsize(path)
-    return now, file_fingerprint(path) if now == size else None
+    return now, fingerprint(path) if now == size else None
   except OSError:
     return None
 
 
-def changed_input(inputs: dict) -> str | None:
+def changed_input(inputs: dict, verify: str = 'full') -> str | None:
   """For an index's `inputs`: the first recorded input that is readable here and differs from its
   record (size or content), described; None when every readable one matches. An absent input is
-  not a change: a prepared directory is often used where its inputs are not."""
-  recorded = _records(inputs)
-  now = {rel: record for rel, (size, _) in recorded.items()
-         if (record := _readable_record(os.path.join(inputs['root'], rel), size)) is not None}
+  not a change: a prepared directory is often used where its inputs are not. `verify`: 'full'
+  reads every input whole; 'sampled' the sizes of all and a bounded part (`sampled_fingerprint`)
+  of a spread of SAMPLED_FILES of them, where the index records sampled fingerprints (else every
+  input whole, as before them)."""
+  sampled = verify == 'sampled' and 'samples' in inputs
+  key, fingerprint = (('samples', sampled_fingerprint) if sampled
+                      else ('fingerprints', file_fingerprint))
+  recorded = _records(inputs, key)
+  read = set(spread(sorted(recorded))) if sampled else set(recorded)   # the others: their sizes
+  now = {rel: record for rel, (size, fp) in recorded.items()
+         if (record := _readable_record(os.path.join(inputs['root'], rel), size,
+                                        fingerprint if rel in read else lambda _: fp))
+         is not None}
   return _first_change(inputs['root'], {rel: recorded[rel] for rel in now}, now)
 
 
@@ -224,7 +244,8 @@ class _ShardWriter:
     write_atomic(docs_path, lambda f: np.save(f, np.asarray(self.offsets, np.int64)))
     return {'split': split, 'name': self.name, 'tokens': self.tokens,
             'documents': len(self.offsets), 'bytes': self.bytes,
-            'sha256': self.digest.hexdigest(), 'docs_sha256': file_sha256(docs_path)}
+            'sha256': self.digest.hexdigest(), 'docs_sha256': file_sha256(docs_path),
+            'sample': sampled_fingerprint(self.path), 'docs_sample': sampled_fingerprint(docs_path)}
 
   def abort(self) -> None:
     self.file.close()
@@ -374,6 +395,8 @@ def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> None:
     if 'fingerprints' not in stored and not rebuild_stale:
       # Prepared before fingerprints: taken unverified (finished), or every group redone.
       stored = {**stored, 'fingerprints': plan['fingerprints']}
+    if 'samples' not in stored:   # prepared before sampled fingerprints: the whole ones decide
+      stored = {**stored, 'samples': plan['samples']}
     what = _plan_change(stored, plan)
     if what is None:
       return
@@ -397,11 +420,30 @@ def _plan_change(stored: dict, plan: dict) -> str | None:
     return 'no fingerprints of its inputs: prepared by an older version'
   differs = sorted(k for k in set(plan) | set(stored) if plan.get(k) != stored.get(k))
   # The groups follow from the files and their sizes.
-  if set(differs) <= {'files', 'fingerprints', 'groups'}:
-    changed = _first_change(plan['root'], _records(stored), _records(plan))
+  if set(differs) <= {'files', 'fingerprints', 'samples', 'groups'}:
+    changed = (_first_change(plan['root'], _records(stored), _records(plan))
+               or _first_change(plan['root'], _records(stored, 'samples'), _records(plan, 'samples')))
     if changed:
       return changed
   return f'its {", ".join(differs)} differ'
+
+
+def prepared_already(pattern: str, tokenizer_spec: str, out: str, *,
+                     val_fraction: float = VAL_FRACTION, shard_mb: float = SHARD_MB,
+                     reading: Reading = Reading()) -> bool:
+  """Whether `out` holds a finished preparation of this plan whose inputs keep the sizes and the
+  sampled fingerprints they had: a bounded read of each input (`prepare` reads them whole). False
+  for a preparation from before sampled fingerprints, which `prepare` then checks whole."""
+  plan_path = os.path.join(out, 'plan.json')
+  if not (os.path.isfile(plan_path) and os.path.isfile(os.path.join(out, 'index.json'))):
+    return False
+  stored = read_json(plan_path)
+  if 'samples' not in stored:
+    return False
+  plan = make_plan(pattern, open_tokenizer(tokenizer_spec), val_fraction, shard_mb, reading,
+                   full=False)
+  stored['samples'] = {rel: stored['samples'].get(rel) for rel in plan['samples']}
+  return {k: v for k, v in stored.items() if k != 'fingerprints'} == plan
 
 
 def build_index(plan: dict, records: list[dict]) -> dict:
@@ -416,7 +458,7 @@ def build_index(plan: dict, records: list[dict]) -> dict:
           'input': plan['input'], 'val_fraction': plan['val_fraction'],
           'files': len(plan['files']), 'splits': splits,
           # Every input's size and fingerprint, where a reader of the directory finds them.
-          'inputs': {k: plan[k] for k in ('root', 'files', 'fingerprints')},
+          'inputs': {k: plan[k] for k in ('root', 'files', 'fingerprints', 'samples')},
           **({'reading': plan['reading']} if 'reading' in plan else {}),
           **({'bad_records': bad} if (bad := merge_bad_records(
               [r.get('bad_records', {}) for r in sorted(records, key=lambda r: r['group'])]))
@@ -424,7 +466,7 @@ def build_index(plan: dict, records: list[dict]) -> dict:
 
 
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
-            val_fraction: float = VAL_FRACTION, shard_mb: float = 256, progress: bool = True,
+            val_fraction: float = VAL_FRACTION, shard_mb: float = SHARD_MB, progress: bool = True,
             rebuild_stale: bool = False, reading: Reading = Reading(),
             on_bad_record: str = 'fail') -> dict:
   """Prepares (or finishes preparing) `pattern` into `out`; returns the index. `rebuild_stale`:

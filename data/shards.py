@@ -1,8 +1,11 @@
 """Reading a prepared directory (data/prepare.py): its index, and one split's shards, memory-mapped.
 
-A shard is opened only when a window of it is first read, and checked then against the sha256 its
-index records (one sequential read of that shard); its size is checked for every shard when the
-directory is opened (no read). A process's private memory therefore does not grow with the corpus;
+A shard is opened only when a window of it is first read, and checked then against what its index
+records: by default (`verify='sampled'`) a spread of SAMPLED_FILES of the split's shards by their
+sampled fingerprints (a read of at most 512 KiB a file whatever its size: data/files.py), the
+others by their sizes alone; with `verify='full'` each by its sha256 (one sequential read of the
+whole shard). A shard prepared before sampled fingerprints is checked whole. Its size is checked for
+every shard when the directory is opened (no read). A process's private memory therefore does not grow with the corpus;
 the pages of the shards it reads are the kernel's page cache, mapped into it (counted in its RSS as
 file pages, shared and dropped under memory pressure: bench/data.py measures both).
 """
@@ -11,13 +14,14 @@ import os
 import numpy as np
 
 from data.corpus import DataError
-from data.files import FORMAT, SPLITS, file_sha256, read_json
+from data.files import FORMAT, SPLITS, file_sha256, read_json, sampled_fingerprint, spread
 
 
 class SplitShards:
   """The shards of one split, in order. `opened` lists the shard numbers this process has opened."""
 
-  def __init__(self, directory: str, split: str, entries: list[dict], dtype: str, verify: bool):
+  def __init__(self, directory: str, split: str, entries: list[dict], dtype: str,
+               verify: str | None):
     self.directory, self.split, self._entries = directory, split, entries
     self.dtype = np.dtype(dtype)
     self.verify = verify
@@ -25,6 +29,7 @@ class SplitShards:
     self.documents = int(sum(e['documents'] for e in entries))
     self.bytes = int(sum(e['bytes'] for e in entries))
     self.opened: list[int] = []
+    self._sampled = set(spread(list(range(len(entries)))))   # checked by content when sampled
     self._tokens: dict[int, np.ndarray] = {}
     self._docs: dict[int, np.ndarray] = {}
     for e in entries:   # a truncated or missing file is refused now, before anything else runs
@@ -43,10 +48,13 @@ class SplitShards:
   def _open(self, shard: int) -> None:
     entry = self._entries[shard]
     path = self._path(entry, '.bin')
-    if self.verify:
-      for suffix, key in (('.bin', 'sha256'), ('.docs.npy', 'docs_sha256')):
-        if file_sha256(self._path(entry, suffix)) != entry[key]:
-          raise DataError(f'shard {self._path(entry, suffix)} does not match the sha256 its index '
+    if self.verify and (self.verify == 'full' or shard in self._sampled or 'sample' not in entry):
+      sampled = self.verify == 'sampled' and 'sample' in entry
+      digest, what, keys = ((sampled_fingerprint, 'sampled fingerprint', ('sample', 'docs_sample'))
+                            if sampled else (file_sha256, 'sha256', ('sha256', 'docs_sha256')))
+      for suffix, key in zip(('.bin', '.docs.npy'), keys):
+        if digest(self._path(entry, suffix)) != entry[key]:
+          raise DataError(f'shard {self._path(entry, suffix)} does not match the {what} its index '
                           'records (changed or damaged since it was prepared); prepare the data again')
     self.opened.append(shard)
     self._tokens[shard] = (np.memmap(path, self.dtype, mode='r') if entry['tokens'] else
@@ -76,7 +84,7 @@ class SplitShards:
 class PreparedData:
   """A prepared directory: the tokenizer it was made with, and its splits."""
 
-  def __init__(self, directory: str, verify: bool = True):
+  def __init__(self, directory: str, verify: str | None = 'sampled'):
     self.directory = directory
     path = os.path.join(directory, 'index.json')
     if not os.path.isfile(path):

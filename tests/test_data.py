@@ -277,7 +277,7 @@ def test_preparations_from_before_fingerprints_open_and_resume_from_the_inputs_n
   out = tmp_path / "prepared"
   prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
   index, plan = read_json(out / "index.json"), read_json(out / "plan.json")
-  del index["inputs"], plan["fingerprints"]
+  del index["inputs"], plan["fingerprints"], plan["samples"]   # what an older version wrote
   write_json(out / "index.json", index)
   write_json(out / "plan.json", plan)
   changed = text_corpus / "part1" / "doc04.txt"
@@ -295,7 +295,8 @@ def test_preparations_from_before_fingerprints_open_and_resume_from_the_inputs_n
   # A run's cache from then is prepared again.
   open_data(SourceKey(pattern, "bytes", 0.25), str(tmp_path / "cache"), progress=False)
   cached = os.path.join(cache_directory(str(tmp_path / "cache"), SourceKey(pattern, "bytes", 0.25)), "plan.json")
-  write_json(cached, {k: v for k, v in read_json(cached).items() if k != "fingerprints"})
+  write_json(cached, {k: v for k, v in read_json(cached).items()
+                      if k not in ("fingerprints", "samples")})
   open_data(SourceKey(pattern, "bytes", 0.25), str(tmp_path / "cache"), progress=False)
   assert ("was prepared from other inputs (no fingerprints of its inputs: prepared by an older "
           "version); preparing it again") in capsys.readouterr().out
@@ -326,9 +327,11 @@ def test_shards_are_checked_against_their_index_and_tokenizer(text_corpus, tmp_p
   data = bytearray(shard.read_bytes())
   data[10] ^= 1
   shard.write_bytes(bytes(data))
-  shards = PreparedData(str(out)).split("train")
-  with pytest.raises(DataError, match="does not match the sha256"):
-    shards.shard_tokens(0)
+  # Checked as it is opened: by its sampled fingerprint (a shard this small, whole), or its sha256.
+  for verify, what in (("sampled", "sampled fingerprint"), ("full", "sha256")):
+    shards = PreparedData(str(out), verify).split("train")
+    with pytest.raises(DataError, match=f"does not match the {what}"):
+      shards.shard_tokens(0)
   shard.write_bytes(bytes(data[:-2]))
   with pytest.raises(DataError, match="has .* bytes but its index says"):
     PreparedData(str(out)).split("train")
@@ -545,3 +548,94 @@ def test_eval_windows_spread_over_the_split_with_contiguous_rows(documents_dir):
   for key in whole:
     assert whole[key].shape == (4, 4, 4)
     np.testing.assert_array_equal(whole[key], np.concatenate([s[key] for s in shares], axis=1))
+
+
+# --- what a start reads of a large corpus -------------------------------------------------------
+
+@pytest.fixture
+def large_corpus(tmp_path):
+  """Three text files of 8 MiB each: each far larger than a sampled fingerprint reads."""
+  rng = np.random.default_rng(0)
+  for i in range(3):
+    letters = rng.integers(ord("a"), ord("z") + 1, 8 << 20, dtype=np.uint8)
+    letters[::80] = ord("\n")
+    (tmp_path / "big" / f"part{i}.txt").parent.mkdir(exist_ok=True)
+    (tmp_path / "big" / f"part{i}.txt").write_bytes(letters.tobytes())
+  return tmp_path / "big"
+
+
+def _start(key, cache, verify):
+  """What a run's start reads to check its data: open it, take a batch (this opens the shards)."""
+  from data import files
+  from data.source import open_data
+  files.verified["bytes"] = 0
+  prepared = open_data(key, str(cache), progress=False, verify=verify)
+  next(TokenBatches(Windows(prepared.split("train"), seq_len=64, packing=True),
+                    global_batch_size=2, seed=0))
+  return files.verified["bytes"]
+
+
+def test_a_start_reads_a_bounded_part_of_each_input_and_shard_unless_told_full(large_corpus,
+                                                                              tmp_path):
+  """data.verify_inputs: 'sampled' reads at most SAMPLE_BLOCKS x SAMPLE_BYTES of each input and of
+  each shard file it opens, whatever their size (counted, not timed); 'full' reads them whole. A
+  run's cache of a glob and a prepared directory alike."""
+  from data.files import SAMPLE_BLOCKS, SAMPLE_BYTES
+  from data.source import SourceKey
+  inputs = sum(p.stat().st_size for p in large_corpus.iterdir())
+  out = tmp_path / "prepared"
+  index = prepare(str(large_corpus / "*.txt"), "bytes", str(out), val_fraction=0.4, progress=False)
+  shard_files = 2 * sum(len(index["splits"][s]["shards"]) for s in ("train", "val"))
+  bound = (3 + shard_files) * SAMPLE_BLOCKS * SAMPLE_BYTES
+  for key in (SourceKey(str(out), "bytes", 0.4), SourceKey(str(large_corpus / "*.txt"), "bytes", 0.4)):
+    _start(key, tmp_path / "cache", "sampled")   # (the glob: prepared into the cache)
+    stamps = _stamps(tmp_path / "cache") if key.path.endswith(".txt") else None
+    assert 0 < _start(key, tmp_path / "cache", "sampled") <= bound < inputs / 4
+    assert _start(key, tmp_path / "cache", "full") >= inputs
+    if stamps is not None:   # the cache was taken as it is, not prepared again
+      assert _stamps(tmp_path / "cache") == stamps
+
+
+def test_a_sampled_start_reads_a_spread_of_the_inputs_where_they_are_many(tmp_path):
+  """Of 1,000 small inputs a sampled start reads SAMPLED_FILES (their sizes all); full reads all."""
+  from data.files import SAMPLE_BLOCKS, SAMPLE_BYTES, SAMPLED_FILES
+  from data.source import SourceKey
+  (tmp_path / "many").mkdir()
+  for i in range(1000):
+    (tmp_path / "many" / f"{i:04d}.txt").write_bytes(b"%04d " % i * 800)   # 4,000 bytes
+  out = tmp_path / "prepared"
+  index = prepare(str(tmp_path / "many" / "*.txt"), "bytes", str(out), val_fraction=0.2,
+                  progress=False)
+  shard_files = 2 * sum(len(index["splits"][s]["shards"]) for s in ("train", "val"))
+  key = SourceKey(str(out), "bytes", 0.2)
+  assert _start(key, tmp_path, "sampled") <= (SAMPLED_FILES * 4000
+                                               + shard_files * SAMPLE_BLOCKS * SAMPLE_BYTES)
+  assert _start(key, tmp_path, "full") >= 1000 * 4000
+
+
+def test_what_a_sampled_start_sees_and_what_only_a_full_one_does(large_corpus, tmp_path):
+  """A change inside a sampled block (the first bytes) is refused by a sampled start; one of the
+  same size between the blocks passes it, and a full start refuses it (docs/data.md says so)."""
+  from data.files import SAMPLE_BYTES
+  from data.source import SourceKey, open_data
+  out = tmp_path / "prepared"
+  prepare(str(large_corpus / "*.txt"), "bytes", str(out), val_fraction=0.4, progress=False)
+  key, changed = SourceKey(str(out), "bytes", 0.4), large_corpus / "part1.txt"
+  _rewrite_same_length_and_time(changed)   # its first byte
+  with pytest.raises(DataError, match="changed content, same size"):
+    open_data(key, str(tmp_path / "unused"), verify="sampled")
+  _rewrite_same_length_and_time(changed)   # back as it was
+  data = bytearray(changed.read_bytes())
+  data[SAMPLE_BYTES + 10] ^= 1   # after the first block, before the second
+  changed.write_bytes(bytes(data))
+  open_data(key, str(tmp_path / "unused"), verify="sampled")
+  with pytest.raises(DataError, match="changed content, same size"):
+    open_data(key, str(tmp_path / "unused"), verify="full")
+
+
+def test_an_unknown_verify_mode_is_refused_in_one_line():
+  from data.source import check_data
+  from tests.helpers import tiny_config
+  config = tiny_config(**{'data.verify_inputs': 'fast'})
+  with pytest.raises(DataError, match=r"^data.verify_inputs='fast'; allowed: sampled, full$"):
+    check_data(config.data)

@@ -147,7 +147,7 @@ def test_bad_prepared_data_is_refused_before_anything_is_written(tmp_path):
                                           'train.seq_len': 256}), str(workdir))
   shard = prepared / 'train-00000.bin'
   shard.write_bytes(shard.read_bytes()[::-1])   # the same size, other bytes
-  with pytest.raises(DataError, match='does not match the sha256'):
+  with pytest.raises(DataError, match='does not match the sampled fingerprint'):
     run.train_and_evaluate(config(), str(workdir))
   assert not (workdir / 'config.json').exists() and not (workdir / 'checkpoints').exists()
 
