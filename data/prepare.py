@@ -9,7 +9,8 @@ train or validation by the hash of its path; a JSON Lines or Parquet file, or a 
 `--document_delimiter`, holds many, each sent to a side by the hash of its file and its place in
 it. Files are grouped, in path order, into groups of about `--shard_mb` MiB of input (a larger
 file makes a group of its own; an uncompressed JSON Lines file larger than that is cut into
-byte ranges, each a group). One worker process tokenizes one group, streaming (its memory is
+byte ranges, each a group, and a Parquet file into ranges of its row groups; a compressed JSON
+Lines file is read from its start, one group a file). One worker process tokenizes one group, streaming (its memory is
 bounded whatever the size of a file), into `train-NNNNN.bin` and `val-NNNNN.bin`: the token ids
 as uint8, uint16 or uint32, the narrowest that holds the vocabulary (a preparation of an older
 version in a wider type still reads), every document stored as [bos] + tokens + [eos]
@@ -57,7 +58,7 @@ from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha25
                         write_atomic, write_json)
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
                           describe_bad_records, documents, file_format, merge_bad_records,
-                          parse_delimiter, text_blocks)
+                          parse_delimiter, row_groups, text_blocks)
 from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
@@ -103,8 +104,11 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
   sizes = {path: os.path.getsize(path) for path in files}
   by_document = []
   for path in (p for p in files if reading.by_document(formats[p])):
-    # An uncompressed JSON Lines file larger than a group is cut, so that workers share it.
+    # An uncompressed JSON Lines or Parquet file larger than a group is cut (a Parquet file into
+    # no more pieces than it has row groups), so that workers share it.
     pieces = max(1, int(sizes[path] // (shard_mb * 2**20))) if cuttable(formats[path]) else 1
+    if formats[path] == 'parquet' and pieces > 1:
+      pieces = min(pieces, row_groups(path))
     by_document += [Shard(path, i / pieces, (i + 1) / pieces) for i in range(pieces)]
   groups = []
   for split, documents in (('train', train), ('val', val), (BY_DOCUMENT, by_document)):

@@ -49,8 +49,16 @@ def file_format(path: str) -> str:
 
 
 def cuttable(fmt: str) -> bool:
-  """Whether a file of this format can be read in byte ranges by several workers."""
-  return fmt == 'jsonl'
+  """Whether a file of this format can be read in byte ranges by several workers: plain JSON Lines
+  (the lines that start in the range) and Parquet (the row groups that start in it); a compressed
+  stream is read from its start, one worker a file."""
+  return fmt in ('jsonl', 'parquet')
+
+
+def row_groups(path: str) -> int:
+  """A Parquet file's row groups: the most pieces it can be cut into."""
+  import pyarrow.parquet as pq
+  return pq.ParquetFile(path).metadata.num_row_groups
 
 
 class Reading(NamedTuple):
@@ -126,10 +134,11 @@ def documents(path: str, fmt: str, reading: Reading, bad: BadRecords, start: int
               stop: int | None = None, name: str | None = None) -> Iterator[Document]:
   """The documents of a file that holds several (Reading.by_document), in file order, with bad
   records sent to `bad`. For an uncompressed JSON Lines file, [start, stop) is a byte range: its
-  documents are the lines that start in it. `name`: the file as messages give it."""
+  documents are the lines that start in it; for a Parquet file, the rows of the row groups that
+  start in it. `name`: the file as messages give it."""
   name = name or path
   if fmt == 'parquet':
-    yield from _parquet(path, reading, bad, name)
+    yield from _parquet(path, reading, bad, name, start, stop)
   elif fmt.startswith('jsonl'):
     yield from _jsonl(path, fmt, reading, bad, start, stop, name)
   elif reading.document_delimiter:
@@ -226,7 +235,7 @@ def _jsonl(path, fmt, reading, bad, start, stop, name):
               f'{name} after line {line}')
 
 
-def _parquet(path, reading, bad, name):
+def _parquet(path, reading, bad, name, start=0, stop=None):
   import pyarrow.parquet as pq
   top = reading.text_field.split('.')[0]
   try:
@@ -237,8 +246,20 @@ def _parquet(path, reading, bad, name):
   if top not in columns:
     raise DataError(f'{name} has no column {top!r} (--text_field={reading.text_field!r}); its '
                     f'columns: {", ".join(columns)}')
-  row = 0
-  for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=[top]):
+  # The row groups that start in [start, stop), and the rows before the first (a row's key is its
+  # number in the file, whatever the cut).
+  meta, groups, row, before = file.metadata, [], 0, 0
+  for i in range(meta.num_row_groups):
+    chunk = meta.row_group(i).column(0)
+    first = min(o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o)
+    if start <= first and (stop is None or first < stop):
+      groups.append(i)
+    elif not groups:
+      before += meta.row_group(i).num_rows
+  if not groups:
+    return
+  row = before
+  for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=[top], row_groups=groups):
     for value in batch.column(0).to_pylist():
       place = lambda row=row: f'{name} row {row}'
       text = _field({top: value}, reading.text_field, place, bad)

@@ -97,6 +97,33 @@ def test_every_format_prepares_into_the_documents_it_holds(corpus, tmp_path):
     assert (sorted(_split_docs(whole, split)) == sorted(_split_docs(cut, split)))
 
 
+def test_a_large_parquet_file_is_cut_by_row_groups_into_groups_with_the_same_sides(corpus,
+                                                                                  tmp_path):
+  """A Parquet file larger than a group is cut into ranges of its row groups, one group each,
+  for workers to share; every document lands on the side it lands on whole (its key is its row)."""
+  _, docs = corpus
+  (tmp_path / 'one').mkdir()
+  pq.write_table(pa.table({'text': docs, 'n': list(range(len(docs)))}),
+                 tmp_path / 'one' / 'big.parquet', row_group_size=10)   # 24 row groups
+  pattern = str(tmp_path / 'one' / '*')
+  whole, cut = tmp_path / 'whole', tmp_path / 'cut'
+  prepare(pattern, 'bytes', str(whole), val_fraction=0.2, progress=False)
+  plan_mb = os.path.getsize(tmp_path / 'one' / 'big.parquet') / 6.5 / 2**20   # 6 pieces
+  prepare(pattern, 'bytes', str(cut), val_fraction=0.2, shard_mb=plan_mb, workers=2,
+          progress=False)
+  assert len(json.loads((whole / 'plan.json').read_text())['groups']) == 1
+  assert len(json.loads((cut / 'plan.json').read_text())['groups']) == 6
+  for split in ('train', 'val'):
+    assert sorted(_split_docs(whole, split)) == sorted(_split_docs(cut, split))
+  assert sorted(_split_docs(cut, 'train') + _split_docs(cut, 'val')) == sorted(
+      t.encode() for t in docs)
+  # No more pieces than row groups, however small the groups asked for.
+  finest = tmp_path / 'finest'
+  prepare(pattern, 'bytes', str(finest), val_fraction=0.2, shard_mb=1e-6, progress=False)
+  assert len(json.loads((finest / 'plan.json').read_text())['groups']) == 24
+  assert sorted(_split_docs(finest, 'val')) == sorted(_split_docs(whole, 'val'))
+
+
 def _split_docs(out, split):
   shards = PreparedData(str(out)).split(split)
   docs = []
