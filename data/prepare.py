@@ -2,6 +2,7 @@
 
   python -m data.prepare --input='corpus/**/*.txt' --tokenizer=bytes --out=prepared/ [--workers=N]
   python -m data.prepare --input='dump/*' --text_field=text --out=prepared/ [--on_bad_record=skip]
+  python -m data.prepare ... --engine=ray [--ray_address=auto]   # the groups as Ray tasks
 
 What a file holds is data/records.py's: a text file is one document (or, where the split falls
 back to cutting every file, data/corpus.py, its train part and its validation part), and goes to
@@ -41,6 +42,7 @@ inputs). Every file is written under a temporary name and renamed, so a kill nev
 half-written file under a final name (and two processes preparing the same inputs write the same
 bytes).
 """
+import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -52,6 +54,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from data import ray_engine
 from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
 from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
                         sampled_fingerprint, spread,
@@ -469,16 +472,41 @@ def build_index(plan: dict, records: list[dict]) -> dict:
              else {})}
 
 
+ENGINES = ('local', 'ray')
+
+
+@contextlib.contextmanager
+def _local_groups(jobs: list, workers: int):
+  """An iterator of the jobs' group records, in this process or a pool of `workers` processes."""
+  if workers == 1 or len(jobs) <= 1:
+    yield map(_run_group, jobs)
+    return
+  # spawn: the workers import only what they need, whatever threads the parent has started.
+  pool = multiprocessing.get_context('spawn').Pool(min(workers, len(jobs)))
+  try:
+    yield pool.imap_unordered(_run_group, jobs)
+  finally:
+    pool.terminate()
+    pool.join()
+
+
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
             val_fraction: float = VAL_FRACTION, shard_mb: float = SHARD_MB, progress: bool = True,
             rebuild_stale: bool = False, reading: Reading = Reading(),
-            on_bad_record: str = 'fail') -> dict:
+            on_bad_record: str = 'fail', engine: str = 'local',
+            ray_address: str | None = None) -> dict:
   """Prepares (or finishes preparing) `pattern` into `out`; returns the index. `rebuild_stale`:
   `out` is a cache of ours, prepared again when its inputs changed (else that is refused).
   `reading`: the text field and document delimiter; `on_bad_record`: 'fail' or 'skip' (not part
-  of the plan: a preparation stopped by a bad record resumes with `skip`)."""
+  of the plan: a preparation stopped by a bad record resumes with `skip`). `engine`: 'local' (this
+  process, or a pool of `workers`) or 'ray' (data/ray_engine.py: a Ray of `workers` CPUs started
+  here, or the cluster at `ray_address`); the files are the same either way."""
   if workers < 1:
     raise DataError(f'--workers={workers!r} must be a positive integer')
+  if engine not in ENGINES:
+    raise DataError(f'--engine={engine!r}; allowed: {", ".join(ENGINES)}')
+  if engine == 'ray':
+    ray_engine.require_ray()
   BadRecords(on_bad_record)   # checks the value
   tokenizer = open_tokenizer(tokenizer_spec)
   plan = make_plan(pattern, tokenizer, val_fraction, shard_mb, reading)
@@ -498,25 +526,19 @@ def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
            plan.get('reading'), val_fraction, on_bad_record) for i in todo]
   bar = tqdm(total=sum(sizes[i] for i in todo), unit='B', unit_scale=True, disable=not progress,
              desc=f'prepare {len(todo)} of {len(sizes)} groups')
-  if workers == 1 or len(jobs) <= 1:
-    done = map(_run_group, jobs)
-    pool = None
-  else:
-    # spawn: the workers import only what they need, whatever threads the parent has started.
-    pool = multiprocessing.get_context('spawn').Pool(min(workers, len(jobs)))
-    done = pool.imap_unordered(_run_group, jobs)
+  groups = (ray_engine.ray_groups(_run_group, jobs, workers, ray_address) if engine == 'ray'
+            else _local_groups(jobs, workers))
   try:
-    for record in done:
-      records[record['group']] = record
-      bar.update(sizes[record['group']])
+    with groups as done:
+      for record in done:
+        records[record['group']] = record
+        bar.update(sizes[record['group']])
   finally:
     bar.close()
-    if pool is not None:
-      pool.terminate()
-      pool.join()
     # A group's failure stops the others mid-write: their temporary files go now, not at the
     # next try (on a loaded machine the good group of tests/test_corpora.py's bad-record case
-    # was still writing when the bad one failed, and its file stayed).
+    # was still writing when the bad one failed, and its file stayed); so do those of a Ray
+    # task whose worker died mid-group and was run again.
     _remove_leftovers(out)
   index = build_index(plan, list(records.values()))
   write_json(index_path, index)
@@ -566,7 +588,14 @@ def main(argv=None) -> int:
   parser.add_argument('--tokenizer', default='bytes',
                       help="'bytes', or a tokenizer.json / Hugging Face checkpoint directory")
   parser.add_argument('--out', required=True, help='the directory of shards (new, or an earlier try)')
-  parser.add_argument('--workers', type=int, default=1, help='tokenizing processes')
+  parser.add_argument('--workers', type=int, default=1,
+                      help='tokenizing processes (--engine=ray: the CPUs of the Ray started here)')
+  parser.add_argument('--engine', default='local', choices=ENGINES,
+                      help='local: this machine\'s processes; ray: the groups as Ray tasks '
+                      '(pip install ray), on a Ray started here or the cluster at --ray_address')
+  parser.add_argument('--ray_address', default=None,
+                      help="--engine=ray: a running cluster's address ('auto' on one of its "
+                      'nodes); default: a Ray of --workers CPUs started for this preparation')
   parser.add_argument('--val_fraction', type=float, default=VAL_FRACTION)
   parser.add_argument('--shard_mb', type=float, default=256, help='input MiB per group of shards')
   args = parser.parse_args(argv)
@@ -575,7 +604,8 @@ def main(argv=None) -> int:
     index = prepare(args.input, args.tokenizer, args.out, workers=args.workers,
                     val_fraction=args.val_fraction, shard_mb=args.shard_mb,
                     reading=Reading(args.text_field, parse_delimiter(args.document_delimiter)),
-                    on_bad_record=args.on_bad_record)
+                    on_bad_record=args.on_bad_record, engine=args.engine,
+                    ray_address=args.ray_address)
   except DataError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
