@@ -8,6 +8,7 @@ corpus size.
   python -m bench.data tokenizer [--input_mb=100 --vocab_size=32000]      # BPE training time
   python -m bench.data curves --runs=W1,W2 [--chart=PNG]                  # loss in bits per byte
   python -m bench.data start [--input_mb=10000]                           # a run's start on it
+  python -m bench.data engines [--input_mb=10000]                         # local against Ray
 
 `prepare` runs `data.prepare` on the embedded corpus (31.5 MB of the standard library's source) cut
 into groups of 4 MiB, with the byte tokenizer or a 4096-token byte-level BPE trained here on a slice
@@ -30,6 +31,9 @@ every log step through the train split's bytes per token, the validation loss as
 --chart, a PNG of both against steps and against input bytes seen.
 `start` prepares --input_mb of that repeated text (byte tokenizer) and times a run's start on it in
 a fresh process per `data.verify_inputs` mode, with the bytes it read to check inputs and shards.
+`engines` prepares --input_mb of it with the local engine and on Ray (`--engine=ray`, a Ray started
+for it), --workers each, in a fresh process each: MB/s of text and peak resident memory of the
+process tree, and checks that both wrote the same shards.
 Everything is written under --scratch (default a temporary directory) and removed afterwards.
 """
 import argparse
@@ -275,6 +279,31 @@ def bench_start(scratch: str, megabytes: float, workers: int) -> list[dict]:
   return rows
 
 
+def bench_engines(scratch: str, megabytes: float, workers: int) -> list[dict]:
+  """`megabytes` of text prepared (byte tokenizer) by the local engine and on a Ray started for it,
+  `workers` each, in a fresh process each: MB/s of text and peak resident memory; the two
+  directories' indexes (every shard's sha256 among them) must be equal."""
+  corpus = os.path.join(scratch, 'corpus')
+  _write_corpus(corpus, megabytes)
+  rows, indexes = [], {}
+  for engine in ('local', 'ray'):
+    out = os.path.join(scratch, f'prepared-{engine}')
+    run = _measured([sys.executable, '-m', 'data.prepare', f'--input={corpus}/*', '--tokenizer=bytes',
+                     f'--out={out}', f'--workers={workers}', f'--engine={engine}'])
+    index = PreparedData(out).index
+    indexes[engine] = {k: v for k, v in index.items() if k != 'inputs'}
+    text = sum(s['bytes'] for s in index['splits'].values())
+    rows.append({'engine': engine, 'workers': workers, 'text_mb': text / 1e6,
+                 'groups': len(index['splits']['train']['shards']), 'seconds': run['seconds'],
+                 'text_mb_per_s': text / 1e6 / run['seconds'], 'peak_rss_mb': run['peak_rss_mb'],
+                 'largest_process_mb': run['largest_process_mb']})
+  if indexes['local'] != indexes['ray']:
+    raise RuntimeError('the Ray engine wrote other shards than the local one')
+  for row in rows:
+    row['vs_local'] = row['text_mb_per_s'] / rows[0]['text_mb_per_s']
+  return rows
+
+
 def bench_tokenizer(scratch: str, megabytes: float, vocab_size: int) -> list[dict]:
   _write_formats(scratch, megabytes, files=4)
   for fmt in FORMATS[2:]:
@@ -352,7 +381,7 @@ def _table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog='python -m bench.data', description=__doc__.split('\n')[0])
   parser.add_argument('what', choices=('prepare', 'loader', 'memory', 'formats', 'tokenizer',
-                                       'curves', 'start'))
+                                       'curves', 'start', 'engines'))
   parser.add_argument('--tokenizer', default='bytes', choices=('bytes', 'bpe'))
   parser.add_argument('--workers', default='1,2')
   parser.add_argument('--batch_size', type=int, default=16)
@@ -375,6 +404,8 @@ def main(argv=None) -> None:
       rows = bench_formats(scratch, args.input_mb or 1000, [int(n) for n in args.workers.split(',')])
     elif args.what == 'curves':
       rows = bench_curves(args.runs.split(','), args.chart)
+    elif args.what == 'engines':
+      rows = bench_engines(scratch, args.input_mb or 10000, max(int(n) for n in args.workers.split(',')))
     elif args.what == 'start':
       rows = bench_start(scratch, args.input_mb or 10000, max(int(n) for n in args.workers.split(',')))
     elif args.what == 'tokenizer':

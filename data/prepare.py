@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import sys
+from stat import S_ISREG
 import time
 
 import numpy as np
@@ -169,10 +170,10 @@ def _readable_record(path: str, size: int, fingerprint=file_fingerprint) -> tupl
   """(size, fingerprint) of `path` now (the fingerprint only if the size still matches: a changed
   size needs no read); None where it is absent or unreadable."""
   try:
-    if not os.path.isfile(path):
+    stat = os.stat(path)   # one call a file: a start may check hundreds of thousands
+    if not S_ISREG(stat.st_mode):
       return None
-    now = os.path.getsize(path)
-    return now, fingerprint(path) if now == size else None
+    return stat.st_size, fingerprint(path) if stat.st_size == size else None
   except OSError:
     return None
 
