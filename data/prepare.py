@@ -11,8 +11,9 @@ train or validation by the hash of its path; a JSON Lines or Parquet file, or a 
 it. Files are grouped, in path order, into groups of about `--shard_mb` MiB of input (a larger
 file makes a group of its own; an uncompressed JSON Lines file larger than that is cut into
 byte ranges, each a group, and a Parquet file into ranges of its row groups; a compressed JSON
-Lines file is read from its start, one group a file). One worker process tokenizes one group, streaming (its memory is
-bounded whatever the size of a file), into `train-NNNNN.bin` and `val-NNNNN.bin`: the token ids
+Lines file is read from its start, one group a file). One worker process (or Ray task,
+`--engine=ray`) tokenizes one group, streaming (its memory is bounded whatever the size of a
+file), into `train-NNNNN.bin` and `val-NNNNN.bin`: the token ids
 as uint8, uint16 or uint32, the narrowest that holds the vocabulary (a preparation of an older
 version in a wider type still reads), every document stored as [bos] + tokens + [eos]
 (data/tokenizer.py). A bad record stops the preparation (`--on_bad_record=fail`, one line naming
@@ -429,8 +430,8 @@ def _plan_change(stored: dict, plan: dict) -> str | None:
   differs = sorted(k for k in set(plan) | set(stored) if plan.get(k) != stored.get(k))
   # The groups follow from the files and their sizes.
   if set(differs) <= {'files', 'fingerprints', 'samples', 'groups'}:
-    changed = (_first_change(plan['root'], _records(stored), _records(plan))
-               or _first_change(plan['root'], _records(stored, 'samples'), _records(plan, 'samples')))
+    changed = (_first_change(plan['root'], _records(stored), _records(plan)) or _first_change(
+        plan['root'], _records(stored, 'samples'), _records(plan, 'samples')))
     if changed:
       return changed
   return f'its {", ".join(differs)} differ'

@@ -56,11 +56,12 @@ def ray_groups(run_group, jobs: list, workers: int, address: str | None):
       (done,), pending = ray.wait(pending, num_returns=1)
       try:
         yield ray.get(done)
-      except ray.exceptions.RayTaskError as e:   # the group's own error, as the local engine raises it
+      except ray.exceptions.RayTaskError as e:   # the group's own error, as the local one raises
         raise (e.cause if isinstance(e.cause, BaseException) else e) from None
       except ray.exceptions.WorkerCrashedError as e:
-        raise DataError(f'a group of the preparation failed on Ray after {RETRIES} retries of its '
-                        f'task ({type(e).__name__}); run the same command again to resume') from None
+        raise DataError(f'a group of the preparation failed on Ray after {RETRIES} retries of '
+                        f'its task ({type(e).__name__}); run the same command again to resume'
+                        ) from None
 
   try:
     yield results()

@@ -4,10 +4,11 @@ A shard is opened only when a window of it is first read, and checked then again
 records: by default (`verify='sampled'`) a spread of SAMPLED_FILES of the split's shards by their
 sampled fingerprints (a read of at most 512 KiB a file whatever its size: data/files.py), the
 others by their sizes alone; with `verify='full'` each by its sha256 (one sequential read of the
-whole shard). A shard prepared before sampled fingerprints is checked whole. Its size is checked for
-every shard when the directory is opened (no read). A process's private memory therefore does not grow with the corpus;
-the pages of the shards it reads are the kernel's page cache, mapped into it (counted in its RSS as
-file pages, shared and dropped under memory pressure: bench/data.py measures both).
+whole shard). A shard prepared before sampled fingerprints is checked whole. Its size is checked
+for every shard when the directory is opened (no read). A process's private memory therefore does
+not grow with the corpus; the pages of the shards it reads are the kernel's page cache, mapped into
+it (counted in its RSS as file pages, shared and dropped under memory pressure: bench/data.py
+measures both).
 """
 import os
 
