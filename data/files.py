@@ -13,6 +13,7 @@ READ_BYTES = 8 << 20
 # How a run checks a prepared directory's inputs and shards when it starts (data.verify_inputs):
 # 'sampled', a bounded read per file (`sampled_fingerprint`); 'full', every byte.
 VERIFY_MODES = ('sampled', 'full')
+VERIFY = 'sampled'   # the default
 # Bytes read to check files against their records (`file_sha256`, `file_fingerprint`,
 # `sampled_fingerprint`), counted for this process: what a start costs (bench/data.py, the tests).
 verified = {'bytes': 0}

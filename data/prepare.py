@@ -57,13 +57,13 @@ import numpy as np
 from tqdm import tqdm
 
 from data import ray_engine
-from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
+from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files
 from data.files import (FORMAT, READ_BYTES, SPLITS, file_fingerprint, file_sha256, read_json,
                         sampled_fingerprint, spread,
                         write_atomic, write_json)
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns, cuttable,
                           describe_bad_records, documents, file_format, merge_bad_records,
-                          parse_delimiter, row_groups, text_blocks)
+                          parse_delimiter, row_groups, text_blocks, whole_file_sides)
 from data.tokenizer import ByteTokenizer, make_tokenizer
 
 
@@ -104,8 +104,7 @@ def make_plan(pattern: str, tokenizer, val_fraction: float, shard_mb: float,
   root, files = list_files(pattern)
   formats = {path: file_format(path) for path in files}
   check_parquet_columns([p for p in files if formats[p] == 'parquet'], reading, root)
-  whole = [p for p in files if not reading.by_document(formats[p])]
-  train, val = split_files(root, whole, val_fraction) if whole else ([], [])
+  train, val = whole_file_sides(root, files, reading, val_fraction)
   sizes = {path: os.path.getsize(path) for path in files}
   by_document = []
   for path in (p for p in files if reading.by_document(formats[p])):
@@ -394,21 +393,26 @@ def _run_group(args) -> dict:
 
 # ---- the whole preparation ---------------------------------------------------------------------
 
-def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> None:
+def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> dict | None:
   """Refuses an --out that holds anything but an earlier try at this same plan. With
   `rebuild_stale` (a run's own cache of a glob) a preparation of other inputs, or of inputs that
-  have changed since, is removed instead, in one line, and prepared again."""
+  have changed since, is removed instead, in one line, and prepared again. Returns the earlier
+  try's plan as stored, where one is kept (None otherwise)."""
   plan_path = os.path.join(out, 'plan.json')
   if os.path.isfile(plan_path):
-    stored = read_json(plan_path)
+    stored = original = read_json(plan_path)
     if 'fingerprints' not in stored and not rebuild_stale:
       # Prepared before fingerprints: taken unverified (finished), or every group redone.
       stored = {**stored, 'fingerprints': plan['fingerprints']}
     if 'samples' not in stored:   # prepared before sampled fingerprints: the whole ones decide
       stored = {**stored, 'samples': plan['samples']}
+      # ... and before uint8 shards: its wider type holds every id, and readers take the type
+      # from the index, so it stays.
+      if np.dtype(stored['dtype']).itemsize > np.dtype(plan['dtype']).itemsize:
+        plan['dtype'] = stored['dtype']
     what = _plan_change(stored, plan)
     if what is None:
-      return
+      return original
     if rebuild_stale:
       print(f'data        {out} was prepared from other inputs ({what}); preparing it again')
       shutil.rmtree(out)
@@ -418,6 +422,22 @@ def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> None:
   elif os.path.isdir(out) and os.listdir(out):
     raise DataError(f'--out={out!r} is not empty and holds no preparation (no plan.json); give a '
                     'new or empty directory, nothing there is overwritten')
+  return None
+
+
+def _record_samples(out: str, plan: dict, index: dict) -> dict:
+  """A finished preparation from before sampled fingerprints, its inputs just checked whole
+  against their recorded fingerprints: the sampled ones of its inputs and shards recorded now
+  (plan.json, then index.json, each written atomically), so that a run's start can check it with
+  a bounded read. Nothing else in either file changes."""
+  write_json(os.path.join(out, 'plan.json'), plan)
+  for split in SPLITS:
+    for entry in index['splits'][split]['shards']:
+      entry['sample'] = sampled_fingerprint(os.path.join(out, entry['name'] + '.bin'))
+      entry['docs_sample'] = sampled_fingerprint(os.path.join(out, entry['name'] + '.docs.npy'))
+  index['inputs'] = {k: plan[k] for k in ('root', 'files', 'fingerprints', 'samples')}
+  write_json(os.path.join(out, 'index.json'), index)
+  return index
 
 
 def _plan_change(stored: dict, plan: dict) -> str | None:
@@ -512,10 +532,13 @@ def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
   BadRecords(on_bad_record)   # checks the value
   tokenizer = open_tokenizer(tokenizer_spec)
   plan = make_plan(pattern, tokenizer, val_fraction, shard_mb, reading)
-  _check_out(out, plan, rebuild_stale)
+  stored = _check_out(out, plan, rebuild_stale)
   index_path = os.path.join(out, 'index.json')
   if os.path.isfile(index_path):
-    return read_json(index_path)
+    index = read_json(index_path)
+    if stored is not None and 'fingerprints' in stored and 'samples' not in stored:
+      index = _record_samples(out, plan, index)
+    return index
   os.makedirs(out, exist_ok=True)
   _remove_leftovers(out)
   write_json(os.path.join(out, 'plan.json'), plan)
@@ -599,7 +622,8 @@ def main(argv=None) -> int:
                       help="--engine=ray: a running cluster's address ('auto' on one of its "
                       'nodes); default: a Ray of --workers CPUs started for this preparation')
   parser.add_argument('--val_fraction', type=float, default=VAL_FRACTION)
-  parser.add_argument('--shard_mb', type=float, default=256, help='input MiB per group of shards')
+  parser.add_argument('--shard_mb', type=float, default=SHARD_MB,
+                      help='input MiB per group of shards')
   args = parser.parse_args(argv)
   started = time.perf_counter()
   try:

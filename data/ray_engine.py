@@ -58,9 +58,9 @@ def ray_groups(run_group, jobs: list, workers: int, address: str | None):
         yield ray.get(done)
       except ray.exceptions.RayTaskError as e:   # the group's own error, as the local one raises
         raise (e.cause if isinstance(e.cause, BaseException) else e) from None
-      except ray.exceptions.WorkerCrashedError as e:
-        raise DataError(f'a group of the preparation failed on Ray after {RETRIES} retries of '
-                        f'its task ({type(e).__name__}); run the same command again to resume'
+      except ray.exceptions.RayError as e:   # a worker, node or object lost past the retries
+        raise DataError(f'a group of the preparation failed on Ray ({type(e).__name__}, after up '
+                        f'to {RETRIES} retries of its task); run the same command again to resume'
                         ) from None
 
   try:

@@ -30,7 +30,7 @@ import re
 import zlib
 from typing import Callable, Iterator, NamedTuple
 
-from data.corpus import DataError
+from data.corpus import DataError, Shard, split_files
 from data.files import READ_BYTES
 
 FORMATS = ('text', 'jsonl', 'jsonl.gz', 'jsonl.zst', 'parquet')
@@ -246,26 +246,23 @@ def _parquet(path, reading, bad, name, start=0, stop=None):
   if top not in columns:
     raise DataError(f'{name} has no column {top!r} (--text_field={reading.text_field!r}); its '
                     f'columns: {", ".join(columns)}')
-  # The row groups that start in [start, stop), and the rows before the first (a row's key is its
-  # number in the file, whatever the cut).
-  meta, groups, row, before = file.metadata, [], 0, 0
+  # The row groups that start in [start, stop), each with the rows before it in the file (a row's
+  # key is its number in the file, whatever the cut).
+  meta, first_row = file.metadata, 0
   for i in range(meta.num_row_groups):
-    chunk = meta.row_group(i).column(0)
-    first = min(o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o)
-    if start <= first and (stop is None or first < stop):
-      groups.append(i)
-    elif not groups:
-      before += meta.row_group(i).num_rows
-  if not groups:
-    return
-  row = before
-  for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=[top], row_groups=groups):
-    for value in batch.column(0).to_pylist():
-      place = lambda row=row: f'{name} row {row}'
-      text = _field({top: value}, reading.text_field, place, bad)
-      if text is not None:
-        yield Document(str(row), text, place)
-      row += 1
+    group = meta.row_group(i)
+    chunk = group.column(0)
+    offset = min(o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o)
+    row, first_row = first_row, first_row + group.num_rows
+    if offset < start or (stop is not None and offset >= stop):
+      continue
+    for batch in file.iter_batches(batch_size=PARQUET_ROWS, columns=[top], row_groups=[i]):
+      for value in batch.column(0).to_pylist():
+        place = lambda row=row: f'{name} row {row}'
+        text = _field({top: value}, reading.text_field, place, bad)
+        if text is not None:
+          yield Document(str(row), text, place)
+        row += 1
 
 
 def _delimited(path, delimiter, bad, name):
@@ -330,3 +327,14 @@ def check_parquet_columns(paths: list[str], reading: Reading, root: str) -> None
     if top not in names:
       raise DataError(f'{path} has no column {top!r} (--text_field={reading.text_field!r}); its '
                       f'columns: {", ".join(names)}')
+
+
+def whole_file_sides(root: str, files: list[str], reading: Reading,
+                     val_fraction: float) -> tuple[list[Shard], list[Shard]]:
+  """The files of `files` that are one document each (text files without a delimiter), split into
+  (train, validation) shards (data/corpus.py:split_files): whole by their path's hash, or each cut
+  by bytes where that leaves a side empty. `val_fraction` 0: every one trains, whole."""
+  whole = [p for p in files if not reading.by_document(file_format(p))]
+  if not whole or val_fraction == 0:
+    return [Shard(p) for p in whole], []
+  return split_files(root, whole, val_fraction)

@@ -15,7 +15,8 @@ import os
 import numpy as np
 
 from data.corpus import DataError
-from data.files import FORMAT, SPLITS, file_sha256, read_json, sampled_fingerprint, spread
+from data.files import (FORMAT, SPLITS, VERIFY, file_sha256, read_json, sampled_fingerprint,
+                        spread)
 
 
 class SplitShards:
@@ -85,7 +86,7 @@ class SplitShards:
 class PreparedData:
   """A prepared directory: the tokenizer it was made with, and its splits."""
 
-  def __init__(self, directory: str, verify: str | None = 'sampled'):
+  def __init__(self, directory: str, verify: str | None = VERIFY):
     self.directory = directory
     path = os.path.join(directory, 'index.json')
     if not os.path.isfile(path):

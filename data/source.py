@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from data import mixture
 from data.corpus import DataError, list_files
-from data.files import VERIFY_MODES
+from data.files import VERIFY, VERIFY_MODES
 from data.prepare import changed_input, open_tokenizer, prepare, prepared_already
 from data.records import BadRecords, Reading, parse_delimiter
 from data.shards import PreparedData
@@ -60,7 +60,7 @@ def check_data(data) -> None:
   """DataError in one line for a config's `data` section that names nothing readable, or reads it
   in a way that is not allowed (nothing is written)."""
   key = source_key(data)
-  if data.get('verify_inputs', 'sampled') not in VERIFY_MODES:
+  if data.get('verify_inputs', VERIFY) not in VERIFY_MODES:
     raise DataError(f'data.verify_inputs={data.verify_inputs!r}; allowed: {", ".join(VERIFY_MODES)}')
   key.reading.check()
   BadRecords(key.on_bad_record)
@@ -87,7 +87,7 @@ def cache_directory(cache_root: str, key: SourceKey) -> str:
   return os.path.join(cache_root, key)
 
 
-def check_inputs(prepared: PreparedData, verify: str = 'sampled') -> None:
+def check_inputs(prepared: PreparedData, verify: str = VERIFY) -> None:
   """DataError in one line when an input `prepared` records is readable here and has changed
   (`verify`: as data.verify_inputs says)."""
   changed = (changed_input(prepared.index['inputs'], verify) if 'inputs' in prepared.index
@@ -99,7 +99,7 @@ def check_inputs(prepared: PreparedData, verify: str = 'sampled') -> None:
 
 
 def open_data(key: SourceKey, cache_root: str, prepare_here: bool = True,
-              progress: bool = True, verify: str = 'sampled') -> PreparedData:
+              progress: bool = True, verify: str = VERIFY) -> PreparedData:
   """The prepared data of one source, checked against its tokenizer and, as `verify`
   (data.verify_inputs) says, against its inputs and shards. A glob is prepared into `cache_root`
   when `prepare_here` (one process of a run prepares; the others read what it wrote, or, with no
@@ -128,5 +128,5 @@ def open_sources(data, cache_root: str, prepare_here: bool = True,
   '' with weight 1, or a mixture's."""
   return [(source.name, source.weight,
            open_data(source_key(data, source.path), cache_root, prepare_here, progress,
-                     data.get('verify_inputs', 'sampled')))
+                     data.get('verify_inputs', VERIFY)))
           for source in sources_of(data.path)]

@@ -24,11 +24,11 @@ import os
 import sys
 import time
 
-from data.corpus import VAL_FRACTION, DataError, Shard, held_out, list_files, split_files
+from data.corpus import VAL_FRACTION, DataError, held_out, list_files
 from data.files import write_atomic, write_json
 from data.records import (ON_BAD_RECORD, BadRecords, Reading, check_parquet_columns,
                           describe_bad_records, documents, file_format, parse_delimiter,
-                          text_blocks)
+                          text_blocks, whole_file_sides)
 
 BOS, EOS = '<|begin_of_text|>', '<|end_of_text|>'
 MIN_VOCAB = 256 + 2   # every byte, and the two markers
@@ -41,9 +41,7 @@ def corpus_texts(pattern: str, reading: Reading, bad: BadRecords, max_bytes: int
   data.prepare holds out at `val_fraction` are left out. Yields (text, its UTF-8 bytes)."""
   root, files = list_files(pattern)
   check_parquet_columns([p for p in files if file_format(p) == 'parquet'], reading, root)
-  whole = [p for p in files if not reading.by_document(file_format(p))]
-  trains = ({shard.path: shard for shard in split_files(root, whole, val_fraction)[0]}
-            if whole and val_fraction > 0 else {p: Shard(p) for p in whole})
+  trains = {shard.path: shard for shard in whole_file_sides(root, files, reading, val_fraction)[0]}
   given = 0
   for path in files:
     fmt = file_format(path)

@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -334,3 +335,12 @@ def test_a_mixture_trains_resumes_exactly_and_is_scored_per_source(corpus, tmp_p
   assert losses_by_step(resumed) == losses_by_step(straight)
   [last] = [r for r in read_metrics(straight) if r.get('step') == 4 and 'eval_loss' in r]
   assert np.isclose(last['eval_loss'], 0.7 * last['eval_loss/code'] + 0.3 * last['eval_loss/prose'])
+
+
+def test_without_ray_the_engine_is_refused_in_one_line_writing_nothing(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'ray', None)   # `import ray` raises ImportError
+  (tmp_path / 'a.txt').write_text('text')
+  with pytest.raises(DataError, match=r'^--engine=ray needs Ray, which is not installed: pip '
+                                      r'install "ray>=2.9" \(or use --engine=local\)$'):
+    prepare(str(tmp_path / 'a.txt'), 'bytes', str(tmp_path / 'out'), engine='ray')
+  assert not (tmp_path / 'out').exists()

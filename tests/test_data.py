@@ -639,3 +639,42 @@ def test_an_unknown_verify_mode_is_refused_in_one_line():
   config = tiny_config(**{'data.verify_inputs': 'fast'})
   with pytest.raises(DataError, match=r"^data.verify_inputs='fast'; allowed: sampled, full$"):
     check_data(config.data)
+
+
+def test_an_older_versions_byte_preparation_is_kept_and_gains_its_sampled_fingerprints(
+    text_corpus, tmp_path, monkeypatch):
+  """What the version before uint8 shards and sampled fingerprints wrote (uint16, no `samples`):
+  data.prepare again over it checks its inputs whole, keeps its shards and type, and records the
+  sampled fingerprints a start needs; unfinished, it resumes in its own type."""
+  from data import prepare as prepare_module
+  from data.source import SourceKey, open_data
+  pattern, out = str(text_corpus / "**" / "*.txt"), tmp_path / "old"
+  with monkeypatch.context() as patched:
+    patched.setattr(prepare_module, "token_dtype", lambda vocab_size: np.dtype(np.uint16))
+    prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
+  plan, index = read_json(out / "plan.json"), read_json(out / "index.json")
+  del plan["samples"], index["inputs"]["samples"]
+  for split in ("train", "val"):
+    for entry in index["splits"][split]["shards"]:
+      del entry["sample"], entry["docs_sample"]
+  write_json(out / "plan.json", plan)
+  write_json(out / "index.json", index)
+  shards = {p.name: p.read_bytes() for p in out.glob("*.bin")}
+  again = prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
+  assert again["dtype"] == read_json(out / "plan.json")["dtype"] == "uint16"
+  assert again["inputs"]["samples"] == read_json(out / "plan.json")["samples"]
+  assert all("sample" in e for s in ("train", "val") for e in again["splits"][s]["shards"])
+  assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
+  open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused"))   # checks, sampled
+  # Unfinished (no index, a group's record gone): finished in its own type, to the same documents.
+  write_json(out / "plan.json", plan)
+  (out / "index.json").unlink()
+  (out / "group-00001.json").unlink()
+  resumed = prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4, progress=False)
+  assert resumed["dtype"] == "uint16"
+  narrow = prepare(pattern, "bytes", str(tmp_path / "new"), val_fraction=0.25, shard_mb=2e-4,
+                   progress=False)
+  for split in ("train", "val"):
+    assert _documents(PreparedData(str(out)), split) == _documents(
+        PreparedData(str(tmp_path / "new")), split)
+  assert narrow["dtype"] == "uint8"

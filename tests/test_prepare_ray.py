@@ -1,12 +1,11 @@
 """data.prepare on Ray (data/ray_engine.py): the same bytes as the local engine on a corpus of every
 format, on a Ray started for the preparation (docs/data.md's command) and on a simulated cluster of
-two nodes; a task whose worker is killed mid-group is run again, leaving no half-written file; and
-without Ray the engine is refused in one line. Skipped where Ray is not installed (it is a test
-requirement)."""
+two nodes; a task whose worker is killed mid-group is run again, leaving no half-written file.
+Skipped where Ray is not installed (it is a test requirement; tests/test_corpora.py checks the
+one line without it)."""
 import os
 import re
 import signal
-import sys
 import threading
 
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 
 ray = pytest.importorskip('ray', reason='Ray is not installed: pip install -r requirements-test.txt')
 
-from data.corpus import DataError  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.records import Reading, parse_delimiter  # noqa: E402
 from tests.test_corpora import texts, write_jsonl  # noqa: E402
@@ -105,12 +103,3 @@ def test_the_documented_ray_command_writes_the_local_engines_bytes(tmp_path, mon
   prepare('corpus/*', 'bytes', 'local', shard_mb=0.05, progress=False)
   assert len(_files(tmp_path / 'local')) > 6 and _files(tmp_path / 'prepared-ray') == _files(
       tmp_path / 'local')
-
-
-def test_without_ray_the_engine_is_refused_in_one_line_writing_nothing(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, 'ray', None)   # `import ray` raises ImportError
-  (tmp_path / 'a.txt').write_text('text')
-  with pytest.raises(DataError, match=r'^--engine=ray needs Ray, which is not installed: pip '
-                                      r'install "ray>=2.9" \(or use --engine=local\)$'):
-    prepare(str(tmp_path / 'a.txt'), 'bytes', str(tmp_path / 'out'), engine='ray')
-  assert not (tmp_path / 'out').exists()

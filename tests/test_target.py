@@ -248,7 +248,7 @@ def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
 ])
 def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):
   """The analytic estimate on a GPU against XLA:GPU's compiled total, 8 H100s, one sequence each
-  (sweeps/estimate.py:gpu measures every layout; these two pin terms XLA:CPU does not have)."""
+  (sweeps/estimate.py:gpu measures every layout; these pin terms XLA:CPU does not have)."""
   from configs import default
   from train import run
   if preset.startswith('pipeline:'):
