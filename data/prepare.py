@@ -406,10 +406,7 @@ def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> dict | None
       stored = {**stored, 'fingerprints': plan['fingerprints']}
     if 'samples' not in stored:   # prepared before sampled fingerprints: the whole ones decide
       stored = {**stored, 'samples': plan['samples']}
-      # ... and before uint8 shards: its wider type holds every id, and readers take the type
-      # from the index, so it stays.
-      if np.dtype(stored['dtype']).itemsize > np.dtype(plan['dtype']).itemsize:
-        plan['dtype'] = stored['dtype']
+    _keep_wider_dtype(stored, plan)
     what = _plan_change(stored, plan)
     if what is None:
       return original
@@ -423,6 +420,14 @@ def _check_out(out: str, plan: dict, rebuild_stale: bool = False) -> dict | None
     raise DataError(f'--out={out!r} is not empty and holds no preparation (no plan.json); give a '
                     'new or empty directory, nothing there is overwritten')
   return None
+
+
+def _keep_wider_dtype(stored: dict, plan: dict) -> None:
+  """A preparation from before uint8 shards (byte tokens as uint16) keeps its type: the plan's is
+  the narrowest that holds the vocabulary, so a wider one holds every id too, and readers take the
+  type from the index."""
+  if np.dtype(stored['dtype']).itemsize > np.dtype(plan['dtype']).itemsize:
+    plan['dtype'] = stored['dtype']
 
 
 def _record_samples(out: str, plan: dict, index: dict) -> dict:
@@ -471,6 +476,7 @@ def prepared_already(pattern: str, tokenizer_spec: str, out: str, *,
     return False
   plan = make_plan(pattern, open_tokenizer(tokenizer_spec), val_fraction, shard_mb, reading,
                    full=False)
+  _keep_wider_dtype(stored, plan)
   stored['samples'] = {rel: stored['samples'].get(rel) for rel in plan['samples']}
   return {k: v for k, v in stored.items() if k != 'fingerprints'} == plan
 

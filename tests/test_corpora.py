@@ -239,6 +239,10 @@ def test_a_trained_tokenizer_round_trips_and_a_run_takes_its_vocabulary(corpus, 
   summary = train_tokenizer(f'{root}/*.jsonl*', 300, str(tokenizer_dir), progress=False)
   # (Up to 300: merging stops where no pair of this small vocabulary occurs twice.)
   assert 258 < summary['vocab_size'] <= 300
+  with pytest.raises(DataError, match=r"^--val_fraction=0.7 must be in \(0, 0.5\]"):
+    train_tokenizer(f'{root}/*.jsonl*', 300, str(tmp_path / 'wide'), val_fraction=0.7,
+                    progress=False)
+  assert not (tmp_path / 'wide').exists()
   # The 160 documents less those data.prepare holds out at its default --val_fraction, 0.05
   # (which ones: the test above).
   held = sum(held_out(f'{os.path.basename(p)}:{d.key}', 0.05)

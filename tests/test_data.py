@@ -647,6 +647,7 @@ def test_an_older_versions_byte_preparation_is_kept_and_gains_its_sampled_finger
   data.prepare again over it checks its inputs whole, keeps its shards and type, and records the
   sampled fingerprints a start needs; unfinished, it resumes in its own type."""
   from data import prepare as prepare_module
+  from data.prepare import prepared_already
   from data.source import SourceKey, open_data
   pattern, out = str(text_corpus / "**" / "*.txt"), tmp_path / "old"
   with monkeypatch.context() as patched:
@@ -666,6 +667,10 @@ def test_an_older_versions_byte_preparation_is_kept_and_gains_its_sampled_finger
   assert all("sample" in e for s in ("train", "val") for e in again["splits"][s]["shards"])
   assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == shards
   open_data(SourceKey(str(out), "bytes", 0.25), str(tmp_path / "unused"))   # checks, sampled
+  # Once given its samples it stays as it is, in its type: again, and as a run's cache would be.
+  assert prepare(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4,
+                 progress=False) == again
+  assert prepared_already(pattern, "bytes", str(out), val_fraction=0.25, shard_mb=2e-4)
   # Unfinished (no index, a group's record gone): finished in its own type, to the same documents.
   write_json(out / "plan.json", plan)
   (out / "index.json").unlink()
