@@ -390,7 +390,7 @@ def main(argv=None) -> None:
   parser.add_argument('--sizes_mb', default='30,300,3000')
   parser.add_argument('--input_mb', type=float, default=None,
                       help='formats: MB of text per format (default 1000); tokenizer: (100); '
-                      'start: (10000)')
+                      'start, engines: (10000)')
   parser.add_argument('--vocab_size', type=int, default=32000)
   parser.add_argument('--runs', default='', help='curves: finished runs\' workdirs, comma-separated')
   parser.add_argument('--chart', default=None, help='curves: a PNG to write')
