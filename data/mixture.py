@@ -4,13 +4,18 @@ Each source is what a `data.path` of its own may be (a prepared directory, or a 
 the run's cache), all with the same tokenizer; the weights need not sum to 1 (they are normalised).
 
 Which source each row of a batch draws from is a pure function of (seed, step, row), so a run
-resumes exactly, and on another number of processes, from the step alone. Rows are dealt in
-periods of PERIOD rows (in global row order, step after step): a period holds each source's
-share of the rows, its weight x PERIOD rounded by largest remainders, in an order shuffled per
-period. So over any whole period the proportions are exact to 1/PERIOD, and within one they drift
-by no more than a shuffled deck's. A source's rows read its own windows (data/windows.py) in an
-order shuffled afresh every epoch of that source: a small source repeats sooner than a large one,
-as its weight asks.
+resumes exactly, and on another number of processes, from the step alone. The deal runs in
+periods of PERIOD steps, each with one deck of PERIOD places, each source's share of them (its
+weight x PERIOD, rounded by largest remainders) in an order shuffled per period. Row r of B reads
+the deck from place r x PERIOD / B on, one place a step, round the deck. So each row draws every
+source its exact share over a period, and a step's rows read B places spread evenly over the deck:
+when B divides PERIOD, every PERIOD / B steps read the whole deck once, and the proportions are
+exact over every PERIOD rows; within those steps they drift by no more than a shuffled deck's.
+
+A row reads each source as a single source's row reads it (data/pipeline.py): row r draws from
+its own lane of the source (the r-th of B contiguous ranges of its windows), in an order shuffled
+afresh every epoch of the lane, so a process reads only its rows' lanes, its 1/P of every source's
+shards. A small source repeats sooner than a large one, as its weight asks.
 
 Evaluation reads each source's validation split apart (train/validation.py reports a loss per
 source, and their weighted mean).
@@ -19,11 +24,10 @@ import functools
 import re
 from typing import NamedTuple
 
-import grain
 import numpy as np
 
 from data.corpus import DataError
-from data.pipeline import ENDLESS, check_sharding, restored_step, stream_seed
+from data.pipeline import check_sharding, lane_orders, restored_step, stream_seed
 from data.windows import Windows
 
 PERIOD = 4096   # rows per period of the deal
@@ -73,6 +77,8 @@ class MixtureBatches:
   """Endless, checkpointable iterator of batches drawn from several sources (data/pipeline.py's
   TokenBatches' interface: the state is the step and what identifies the stream)."""
 
+  DEAL = 'rows'   # in the state: a mixture's deal before rows read their own lanes had none
+
   def __init__(self, sources: list[tuple[str, float, Windows]], *, global_batch_size: int,
                seed: int, process_index: int = 0, process_count: int = 1):
     rows = check_sharding(global_batch_size, process_index, process_count, 'train.batch_size')
@@ -86,11 +92,13 @@ class MixtureBatches:
                       f'{PERIOD}; give it at least {1 / PERIOD:.1e} of the total')
     self._global_batch_size, self._seed = global_batch_size, int(seed)
     self._rows = range(process_index * rows, (process_index + 1) * rows)
-    self._orders = []
+    self._orders = []   # [source][this process's row]: the row's lane of the source
     for name, windows in zip(self._names, self._windows):
-      order = grain.MapDataset.range(windows.num_windows).shuffle(
-          seed=stream_seed('Mixture', seed, name))
-      self._orders.append(order.repeat(num_epochs=ENDLESS // windows.num_windows))
+      try:
+        self._orders.append(lane_orders(windows, self._rows, global_batch_size,
+                                        ('Mixture', self._seed, name)))
+      except DataError as e:
+        raise DataError(f'data.path source {name!r}: {e}') from None
     self._step = 0
 
   @property
@@ -101,27 +109,27 @@ class MixtureBatches:
   def tokens_per_batch(self) -> int:
     return self._global_batch_size * self._windows[0].seq_len
 
-  @functools.lru_cache(maxsize=4)
-  def _period(self, period: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source of each row of the period, how many rows of that source come before it in it)."""
-    deal = np.repeat(np.arange(len(self._shares)), self._shares)
+  @functools.lru_cache(maxsize=2)
+  def _deck(self, period: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the source of each place of the period's deck, read twice round; [source, place]: how
+    many places of that source come before the place in it)."""
+    deck = np.repeat(np.arange(len(self._shares)), self._shares)
     rng = np.random.default_rng(stream_seed('Mixture', self._seed, 'period', period))
-    deal = rng.permutation(deal)
-    before = np.zeros(len(deal), np.int64)
-    for source in range(len(self._shares)):
-      mine = deal == source
-      before[mine] = np.arange(int(mine.sum()))
-    return deal, before
+    twice = np.tile(rng.permutation(deck), 2)
+    before = np.zeros((len(self._shares), len(twice) + 1), np.int64)
+    before[:, 1:] = np.cumsum(twice == np.arange(len(self._shares))[:, None], axis=1)
+    return twice, before
 
   def draws(self, step: int) -> list[tuple[int, int]]:
-    """(source, its draw number) of each of this process's rows at `step`."""
+    """(source, the row's draw number from its lane of it) of each of this process's rows."""
+    period, place = divmod(step, PERIOD)
+    deck, before = self._deck(period)
     out = []
     for row in self._rows:
-      g = step * self._global_batch_size + row
-      period, place = divmod(g, PERIOD)
-      deal, before = self._period(period)
-      source = int(deal[place])
-      out.append((source, period * int(self._shares[source]) + int(before[place])))
+      start = row * PERIOD // self._global_batch_size
+      source = int(deck[start + place])
+      drawn = int(before[source, start + place] - before[source, start])
+      out.append((source, period * int(self._shares[source]) + drawn))
     return out
 
   def __iter__(self) -> 'MixtureBatches':
@@ -134,7 +142,7 @@ class MixtureBatches:
     for source, windows in enumerate(self._windows):
       mine = [i for i, (s, _) in enumerate(draws) if s == source]
       if mine:
-        got = windows.gather([self._orders[source][draws[i][1]] for i in mine])
+        got = windows.gather([self._orders[source][i][draws[i][1]] for i in mine])
         for j, i in enumerate(mine):
           rows[i] = {k: v[j] for k, v in got.items()}
     return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
@@ -142,6 +150,7 @@ class MixtureBatches:
   def _identity(self) -> dict:
     return {'seed': self._seed, 'seq_len': self._windows[0].seq_len,
             'global_batch_size': self._global_batch_size, 'packing': self._windows[0].packing,
+            'deal': self.DEAL,
             'sources': [{'name': n, 'weight': w, 'num_tokens': int(win.shards.tokens.sum()),
                          'num_windows': win.num_windows}
                         for n, w, win in zip(self._names, self._weights, self._windows)]}
@@ -150,4 +159,10 @@ class MixtureBatches:
     return {'step': self._step, **self._identity()}
 
   def set_state(self, state: dict) -> None:
+    if 'sources' in state and 'deal' not in state:
+      raise DataError(
+          f'the checkpoint\'s data position (step {state.get("step")}) was saved by an earlier '
+          'version\'s mixture, whose rows drew from every shard of a source; this version\'s '
+          'rows draw from their own lanes and do not continue it: go on from its weights in a new '
+          '--workdir with --config.init_from=run:<this workdir>')
     self._step = restored_step(state, self._identity(), 'mixture')

@@ -45,33 +45,43 @@ def stream_seed(*parts) -> int:
   return int(hashlib.sha256('/'.join(map(str, parts)).encode()).hexdigest()[:8], 16)
 
 
+def lane_orders(windows: Windows, lanes: range, global_batch_size: int, stream: tuple,
+                shuffle: bool = True) -> list:
+  """The endless window order of each lane in `lanes`: lane r of a global batch of B rows is the
+  r-th of B contiguous ranges of the split's windows, shuffled afresh every epoch of the lane
+  (seeded by `stream` and the lane) unless `shuffle` is False. The shards the lanes lie in are
+  opened (and checked against their index) now, before a run compiles or writes anything, not at
+  the first batch."""
+  total = windows.num_windows
+  if total < global_batch_size:
+    raise DataError(f"the train split has {total} windows of seq_len={windows.seq_len}; "
+                    f"train.batch_size={global_batch_size} needs one per row at least: use a "
+                    "smaller batch or seq_len, or more data")
+  bounds = [(lane * total // global_batch_size, (lane + 1) * total // global_batch_size)
+            for lane in lanes]
+  windows.open_windows(bounds[0][0], bounds[-1][1])
+  orders = []
+  for lane, (low, high) in zip(lanes, bounds):
+    order = grain.MapDataset.range(low, high)
+    if shuffle:
+      order = order.shuffle(seed=stream_seed(*stream, lane))
+    # repeat() reseeds the shuffle per epoch.
+    orders.append(order.repeat(num_epochs=ENDLESS // (high - low)))
+  return orders
+
+
 class TokenBatches:
   """Endless, checkpointable iterator of {'inputs', 'targets', 'segments'}: int32 [B/P, seq_len]."""
 
   def __init__(self, windows: Windows, *, global_batch_size: int, seed: int, shuffle: bool = True,
                process_index: int = 0, process_count: int = 1):
     rows = check_sharding(global_batch_size, process_index, process_count, "train.batch_size")
-    total = windows.num_windows
-    if total < global_batch_size:
-      raise DataError(f"the train split has {total} windows of seq_len={windows.seq_len}; "
-                      f"train.batch_size={global_batch_size} needs one per row at least: use a "
-                      "smaller batch or seq_len, or more data")
     self._windows = windows
     self._global_batch_size = global_batch_size
     self._seed, self._shuffle = int(seed), bool(shuffle)
     lanes = range(process_index * rows, (process_index + 1) * rows)
-    bounds = [(lane * total // global_batch_size, (lane + 1) * total // global_batch_size)
-              for lane in lanes]
-    # This process's shards are opened (and checked against their sha256) now, before a run
-    # compiles or writes anything, not at the first batch.
-    windows.open_windows(bounds[0][0], bounds[-1][1])
-    orders = []
-    for lane, (low, high) in zip(lanes, bounds):
-      order = grain.MapDataset.range(low, high)
-      if self._shuffle:
-        order = order.shuffle(seed=stream_seed('TokenBatches', self._seed, lane))
-      # repeat() reseeds the shuffle per epoch.
-      orders.append(order.repeat(num_epochs=ENDLESS // (high - low)))
+    orders = lane_orders(windows, lanes, global_batch_size, ('TokenBatches', self._seed),
+                         self._shuffle)
     self._batches = grain.MapDataset.range(ENDLESS).map(
         lambda step: windows.gather([order[step] for order in orders]))
     self._step = 0

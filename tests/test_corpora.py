@@ -301,11 +301,15 @@ def test_a_mixture_draws_its_proportions_from_the_step_alone(corpus, tmp_path):
     sources.append((name, 0.75 if name == 'a' else 0.25,
                     Windows(PreparedData(str(out)).split('train'), 32, True)))
   whole = MixtureBatches(sources, global_batch_size=8, seed=3)
-  draws = [whole.draws(step) for step in range(PERIOD // 8)]
-  rows = [source for step in draws for source, _ in step]
-  assert rows.count(0) == 3072 and rows.count(1) == 1024   # exact over a period
-  for source in (0, 1):   # each source's draws are numbered 0, 1, 2, ... in row order
-    assert [n for step in draws for s, n in step if s == source] == list(range(rows.count(source)))
+  draws = [whole.draws(step) for step in range(PERIOD)]
+  rows = [source for step in draws[:PERIOD // 8] for source, _ in step]
+  assert rows.count(0) == 3072 and rows.count(1) == 1024   # exact over every PERIOD rows
+  for row in range(8):   # each row draws its exact share over a period, numbered 0, 1, 2, ...
+    dealt = [step[row] for step in draws]
+    for source, share in ((0, 3072), (1, 1024)):
+      assert [n for s, n in dealt if s == source] == list(range(share))
+  source, drawn = whole.draws(PERIOD)[2]   # the next period numbers on from this one's
+  assert drawn == (3072, 1024)[source]
   # Two processes feed the rows of the same global batches; a state resumes the same stream.
   halves = [MixtureBatches(sources, global_batch_size=8, seed=3, process_index=p,
                            process_count=2) for p in (0, 1)]
@@ -320,6 +324,38 @@ def test_a_mixture_draws_its_proportions_from_the_step_alone(corpus, tmp_path):
   assert all(np.array_equal(again[k], v) for k, v in expected.items())
   with pytest.raises(DataError, match='same mixture'):
     MixtureBatches(sources, global_batch_size=8, seed=4).set_state(whole.get_state())
+
+
+def test_a_mixture_process_reads_only_its_rows_lanes_of_each_source(corpus, tmp_path):
+  """As a single source's: process p of 2 opens only the shards of its half of each source's
+  windows (the halves meet in at most one shard), before the first batch and after many."""
+  root, _ = corpus
+  for name in ('a', 'd'):
+    prepare(str(root / f'{name}.*'), 'bytes', str(tmp_path / name), val_fraction=0.2,
+            shard_mb=1e-3, progress=False)
+  def process(index, count=2, batch=8):
+    sources = [(name, 0.5, Windows(PreparedData(str(tmp_path / name)).split('train'), 16, True))
+               for name in ('a', 'd')]
+    return MixtureBatches(sources, global_batch_size=batch, seed=1, process_index=index,
+                          process_count=count), [w.shards for _, _, w in sources]
+  halves = [process(p) for p in (0, 1)]
+  at_start = [[set(shards.opened) for shards in opened] for _, opened in halves]
+  for batches, _ in halves:
+    for _ in range(256):   # more than an epoch of every lane
+      next(batches)
+  for (_, opened), start in zip(halves, at_start):
+    assert [set(shards.opened) for shards in opened] == start
+  for source, shards in enumerate(halves[0][1]):
+    assert len(shards) >= 4
+    first, second = at_start[0][source], at_start[1][source]
+    assert len(first | second) == len(shards) and len(first & second) <= 1
+  # A source with fewer windows than rows is refused by name; so is an earlier version's state.
+  with pytest.raises(DataError, match="source 'a': the train split has .* train.batch_size=4096"):
+    process(0, count=1, batch=4096)
+  old = {k: v for k, v in halves[0][0].get_state().items() if k != 'deal'}
+  with pytest.raises(DataError, match=r"^the checkpoint's data position \(step 256\) was saved "
+                                      r"by an earlier version's mixture.*init_from=run:"):
+    process(0)[0].set_state(old)
 
 
 def test_a_mixture_trains_resumes_exactly_and_is_scored_per_source(corpus, tmp_path):
