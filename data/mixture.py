@@ -5,12 +5,14 @@ the run's cache), all with the same tokenizer; the weights need not sum to 1 (th
 
 Which source each row of a batch draws from is a pure function of (seed, step, row), so a run
 resumes exactly, and on another number of processes, from the step alone. The deal runs in
-periods of PERIOD steps, each with one deck of PERIOD places, each source's share of them (its
-weight x PERIOD, rounded by largest remainders) in an order shuffled per period. Row r of B reads
-the deck from place r x PERIOD / B on, one place a step, round the deck. So each row draws every
-source its exact share over a period, and a step's rows read B places spread evenly over the deck:
-when B divides PERIOD, every PERIOD / B steps read the whole deck once, and the proportions are
-exact over every PERIOD rows; within those steps they drift by no more than a shuffled deck's.
+periods of PERIOD steps (steps k x PERIOD to (k + 1) x PERIOD - 1), each with one deck of PERIOD
+places, each source's share of them (its weight x PERIOD, rounded by largest remainders) in an
+order shuffled per period. Row r of B reads the deck from place r x PERIOD // B on, one place a
+step, round the deck. So each row draws every source its exact share in each period, and a step's
+rows read B places spread evenly over the deck: when B divides PERIOD, each PERIOD / B steps of a
+period read the whole deck once, and the proportions are exact over those PERIOD rows; within them
+they drift by no more than a shuffled deck's. (With B > PERIOD rows share starting places, and so
+their sources, step after step; they still read different windows, from their own lanes.)
 
 A row reads each source as a single source's row reads it (data/pipeline.py): row r draws from
 its own lane of the source (the r-th of B contiguous ranges of its windows), in an order shuffled
@@ -30,7 +32,7 @@ from data.corpus import DataError
 from data.pipeline import check_sharding, lane_orders, restored_step, stream_seed
 from data.windows import Windows
 
-PERIOD = 4096   # rows per period of the deal
+PERIOD = 4096   # steps per period of the deal, and places in its deck
 _ENTRY = re.compile(r'^([A-Za-z0-9_-]+)=([0-9.eE+-]+):(.+)$')
 
 
@@ -65,7 +67,8 @@ def parse(path: str) -> list[Component] | None:
 
 
 def shares(weights: list[float], rows: int = PERIOD) -> np.ndarray:
-  """Each source's rows in a period: weight x rows, rounded by largest remainders (sum = rows)."""
+  """Each source's places in a deck of `rows`: weight x rows, rounded by largest remainders
+  (sum = rows)."""
   exact = np.asarray(weights, np.float64) * rows
   counts = np.floor(exact).astype(np.int64)
   left = rows - int(counts.sum())
@@ -88,8 +91,9 @@ class MixtureBatches:
     self._shares = shares(self._weights)
     if (self._shares == 0).any():
       name = self._names[int(np.argmin(self._shares))]
-      raise DataError(f'data.path: source {name!r} has too small a weight to get a row in '
-                      f'{PERIOD}; give it at least {1 / PERIOD:.1e} of the total')
+      raise DataError(f'data.path: source {name!r} has too small a weight to get a place in the '
+                      f'deck of {PERIOD} (each row draws each place once every {PERIOD} steps); '
+                      f'give it at least {1 / PERIOD:.1e} of the total')
     self._global_batch_size, self._seed = global_batch_size, int(seed)
     self._rows = range(process_index * rows, (process_index + 1) * rows)
     self._orders = []   # [source][this process's row]: the row's lane of the source
@@ -150,10 +154,10 @@ class MixtureBatches:
   def _identity(self) -> dict:
     return {'seed': self._seed, 'seq_len': self._windows[0].seq_len,
             'global_batch_size': self._global_batch_size, 'packing': self._windows[0].packing,
-            'deal': self.DEAL,
             'sources': [{'name': n, 'weight': w, 'num_tokens': int(win.shards.tokens.sum()),
                          'num_windows': win.num_windows}
-                        for n, w, win in zip(self._names, self._weights, self._windows)]}
+                        for n, w, win in zip(self._names, self._weights, self._windows)],
+            'deal': self.DEAL}   # last: a single source's state differs first by its sources
 
   def get_state(self) -> dict:
     return {'step': self._step, **self._identity()}
@@ -164,5 +168,5 @@ class MixtureBatches:
           f'the checkpoint\'s data position (step {state.get("step")}) was saved by an earlier '
           'version\'s mixture, whose rows drew from every shard of a source; this version\'s '
           'rows draw from their own lanes and do not continue it: go on from its weights in a new '
-          '--workdir with --config.init_from=run:<this workdir>')
+          '--workdir with --config.init_from=run:<the workdir just given>')
     self._step = restored_step(state, self._identity(), 'mixture')

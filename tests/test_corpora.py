@@ -303,21 +303,24 @@ def test_a_mixture_draws_its_proportions_from_the_step_alone(corpus, tmp_path):
   whole = MixtureBatches(sources, global_batch_size=8, seed=3)
   draws = [whole.draws(step) for step in range(PERIOD)]
   rows = [source for step in draws[:PERIOD // 8] for source, _ in step]
-  assert rows.count(0) == 3072 and rows.count(1) == 1024   # exact over every PERIOD rows
+  assert rows.count(0) == 3072 and rows.count(1) == 1024   # exact over a period's PERIOD rows
   for row in range(8):   # each row draws its exact share over a period, numbered 0, 1, 2, ...
     dealt = [step[row] for step in draws]
     for source, share in ((0, 3072), (1, 1024)):
       assert [n for s, n in dealt if s == source] == list(range(share))
   source, drawn = whole.draws(PERIOD)[2]   # the next period numbers on from this one's
   assert drawn == (3072, 1024)[source]
-  # Two processes feed the rows of the same global batches; a state resumes the same stream.
+  # Two processes feed the rows of the same global batches, at the start and across a period's
+  # end; a state resumes the same stream.
   halves = [MixtureBatches(sources, global_batch_size=8, seed=3, process_index=p,
                            process_count=2) for p in (0, 1)]
-  first = [next(whole) for _ in range(3)]
-  for step in range(3):
-    parts = [next(h) for h in halves]
-    joined = {k: np.concatenate([part[k] for part in parts]) for k in first[step]}
-    assert all(np.array_equal(joined[k], first[step][k]) for k in joined)
+  for start in (0, PERIOD - 2):
+    for batches in (whole, *halves):
+      batches.set_state({**batches.get_state(), 'step': start})
+    for _ in range(3):
+      expected, parts = next(whole), [next(h) for h in halves]
+      for k, v in expected.items():
+        assert np.array_equal(np.concatenate([part[k] for part in parts]), v)
   resumed = MixtureBatches(sources, global_batch_size=8, seed=3)
   resumed.set_state(json.loads(json.dumps(whole.get_state())))
   again, expected = next(resumed), next(whole)
