@@ -9,7 +9,8 @@
 - `ours_loop`: our real training loop, `python main.py` (data pipeline, logging, non-finite checks;
   tokens/s from the run's metrics.jsonl, which leaves out evaluations and checkpoint saves).
 
-Each program runs in a process of its own, compiled and warmed up once; on the CPU rounds are
+Each program runs in a process of its own, compiled and warmed up once (on the CPU the processes
+start, compile and warm up side by side: none is timed then); on the CPU rounds are
 interleaved (every program in turn, `--rounds` times, pausing between them so no program's idle
 threads spin into the next). On a GPU the programs run one at a time (each process's rounds, then
 the next process): two 1b trainings do not fit one GPU's memory side by side. Each program's best
@@ -126,11 +127,14 @@ class Worker:
   """A worker process seen from the driver."""
 
   def __init__(self, name: str, spec: dict):
+    """Starts the worker; `ready` waits until it has compiled and warmed up."""
     self.name = name
     self.process = subprocess.Popen(
         [sys.executable, '-m', 'bench.versus', f'--worker={name}', f'--spec={json.dumps(spec)}'],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    self._answer()   # ready
+
+  def ready(self) -> None:
+    self._answer()
 
   def _answer(self) -> dict:
     for line in self.process.stdout:
@@ -154,6 +158,9 @@ class OurLoop:
 
   def __init__(self, spec: dict, scratch: str):
     self.spec, self.scratch, self.data_path, self.rounds = spec, scratch, '', 0
+
+  def ready(self) -> None:   # each round compiles its own run
+    pass
 
   def run(self, steps: int) -> dict:
     spec, warmup = self.spec, self.spec['warmup']
@@ -211,8 +218,10 @@ def timed_rounds(starts: dict, rounds: int, steps: int, one_at_a_time: bool):
   for group in groups:
     alive = {}
     try:
-      for name in group:
+      for name in group:   # a group's workers start, compile and warm up side by side
         alive[name] = starts[name]()
+      for worker in alive.values():
+        worker.ready()
       for _ in range(rounds):
         for name, worker in alive.items():
           time.sleep(1.0)   # idle threads of the previous program stop spinning
