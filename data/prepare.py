@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import sys
@@ -509,13 +510,51 @@ def _local_groups(jobs: list, workers: int):
   if workers == 1 or len(jobs) <= 1:
     yield map(_run_group, jobs)
     return
-  # spawn: the workers import only what they need, whatever threads the parent has started.
-  pool = multiprocessing.get_context('spawn').Pool(min(workers, len(jobs)))
+  count = min(workers, len(jobs))
+  # spawn: the workers import only what they need, whatever threads the parent has started. The
+  # jobs (a group's file list can pickle to a megabyte) reach each worker once, as it starts; the
+  # pool's pipe carries only job numbers, a few at a time, so it never fills. A full pipe whose
+  # readers `terminate` has killed hangs `terminate` (CPython issues 78178 and 96995; seen here
+  # once, after a bad record, when the pipe carried the jobs themselves).
+  pool = multiprocessing.get_context('spawn').Pool(count, initializer=_receive_jobs,
+                                                   initargs=(jobs,))
   try:
-    yield pool.imap_unordered(_run_group, jobs)
+    yield _as_finished(pool, len(jobs), window=2 * count)
   finally:
     pool.terminate()
     pool.join()
+
+
+_JOBS: list = []   # a pool worker's jobs, received as it starts (_local_groups)
+
+
+def _receive_jobs(jobs: list) -> None:
+  global _JOBS
+  _JOBS = jobs
+
+
+def _run_job(number: int) -> dict:
+  return prepare_group(*_JOBS[number])
+
+
+def _as_finished(pool, jobs: int, window: int):
+  """The records of jobs 0 .. jobs-1 as they finish, at most `window` of them in the pool at once;
+  a job's error is raised here."""
+  finished = queue.SimpleQueue()
+  submitted = 0
+  def submit():
+    nonlocal submitted
+    pool.apply_async(_run_job, (submitted,), callback=finished.put, error_callback=finished.put)
+    submitted += 1
+  for _ in range(min(window, jobs)):
+    submit()
+  for _ in range(jobs):
+    record = finished.get()
+    if isinstance(record, BaseException):
+      raise record
+    if submitted < jobs:
+      submit()
+    yield record
 
 
 def prepare(pattern: str, tokenizer_spec: str, out: str, *, workers: int = 1,
