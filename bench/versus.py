@@ -9,9 +9,9 @@
 - `ours_loop`: our real training loop, `python main.py` (data pipeline, logging, non-finite checks;
   tokens/s from the run's metrics.jsonl, which leaves out evaluations and checkpoint saves).
 
-Each program runs in a process of its own, compiled and warmed up once (on the CPU the processes
-start, compile and warm up side by side: none is timed then); on the CPU rounds are
-interleaved (every program in turn, `--rounds` times, pausing between them so no program's idle
+Each program runs in a process of its own, compiled and warmed up once (where rounds are
+interleaved, the processes start, compile and warm up side by side: none is timed then; ours_loop
+compiles in each round instead); on the CPU rounds are interleaved (every program in turn, `--rounds` times, pausing between them so no program's idle
 threads spin into the next). On a GPU the programs run one at a time (each process's rounds, then
 the next process): two 1b trainings do not fit one GPU's memory side by side. Each program's best
 round is reported, with its ratio to the others'. `ours_loop` starts main.py anew each round (its
@@ -128,13 +128,14 @@ class Worker:
 
   def __init__(self, name: str, spec: dict):
     """Starts the worker; `ready` waits until it has compiled and warmed up."""
-    self.name = name
+    self.name, self.is_ready = name, False
     self.process = subprocess.Popen(
         [sys.executable, '-m', 'bench.versus', f'--worker={name}', f'--spec={json.dumps(spec)}'],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
   def ready(self) -> None:
     self._answer()
+    self.is_ready = True
 
   def _answer(self) -> dict:
     for line in self.process.stdout:
@@ -148,6 +149,10 @@ class Worker:
     return self._answer()
 
   def close(self) -> None:
+    """Ends the worker: a ready one when its input closes, one still compiling (another worker
+    failed first) at once."""
+    if not self.is_ready:
+      self.process.kill()
     self.process.stdin.close()
     self.process.wait()
 

@@ -47,10 +47,12 @@ import contextlib
 import hashlib
 import multiprocessing
 import os
+import pickle
 import queue
 import re
 import shutil
 import sys
+import tempfile
 from stat import S_ISREG
 import time
 
@@ -511,45 +513,54 @@ def _local_groups(jobs: list, workers: int):
     yield map(_run_group, jobs)
     return
   count = min(workers, len(jobs))
-  # spawn: the workers import only what they need, whatever threads the parent has started. The
-  # jobs (a group's file list can pickle to a megabyte) reach each worker once, as it starts; the
-  # pool's pipe carries only job numbers, a few at a time, so it never fills. A full pipe whose
-  # readers `terminate` has killed hangs `terminate` (CPython issues 78178 and 96995; seen here
-  # once, after a bad record, when the pipe carried the jobs themselves).
-  pool = multiprocessing.get_context('spawn').Pool(count, initializer=_receive_jobs,
-                                                   initargs=(jobs,))
-  try:
-    yield _as_finished(pool, len(jobs), window=2 * count)
-  finally:
-    pool.terminate()
-    pool.join()
+  # spawn: the workers import only what they need, whatever threads the parent has started. Each
+  # job (a group's file list can pickle to a megabyte) waits in a file of its own, read by the
+  # worker that runs it; the pool's pipe carries only job numbers, a few at a time, so it never
+  # fills. A full pipe whose readers `terminate` has killed hangs `terminate` (CPython issues
+  # 78178 and 96995; seen here once, after a bad record, when the pipe carried the jobs).
+  with tempfile.TemporaryDirectory(prefix='data-prepare-jobs-') as folder:
+    for number, job in enumerate(jobs):
+      with open(os.path.join(folder, f'{number}.pickle'), 'wb') as f:
+        pickle.dump(job, f)
+    before = set(multiprocessing.active_children())
+    pool = multiprocessing.get_context('spawn').Pool(count)
+    started = set(multiprocessing.active_children()) - before
+    try:
+      yield _as_finished(pool, folder, len(jobs), 2 * count, started)
+    finally:
+      pool.terminate()
+      pool.join()
 
 
-_JOBS: list = []   # a pool worker's jobs, received as it starts (_local_groups)
+def _run_job(folder: str, number: int) -> dict:
+  with open(os.path.join(folder, f'{number}.pickle'), 'rb') as f:
+    return prepare_group(*pickle.load(f))
 
 
-def _receive_jobs(jobs: list) -> None:
-  global _JOBS
-  _JOBS = jobs
-
-
-def _run_job(number: int) -> dict:
-  return prepare_group(*_JOBS[number])
-
-
-def _as_finished(pool, jobs: int, window: int):
+def _as_finished(pool, folder: str, jobs: int, window: int, workers: set):
   """The records of jobs 0 .. jobs-1 as they finish, at most `window` of them in the pool at once;
-  a job's error is raised here."""
+  a job's error is raised here, and so is the death of one of the pool's `workers` (killed by the
+  system, out of memory: its job would never answer)."""
   finished = queue.SimpleQueue()
   submitted = 0
   def submit():
     nonlocal submitted
-    pool.apply_async(_run_job, (submitted,), callback=finished.put, error_callback=finished.put)
+    pool.apply_async(_run_job, (folder, submitted), callback=finished.put,
+                     error_callback=finished.put)
     submitted += 1
   for _ in range(min(window, jobs)):
     submit()
   for _ in range(jobs):
-    record = finished.get()
+    while True:
+      try:
+        record = finished.get(timeout=1)
+        break
+      except queue.Empty:
+        dead = [p for p in workers if not p.is_alive()]
+        if dead:
+          raise DataError(f'a preparing worker process died (exit code {dead[0].exitcode}: killed '
+                          'by the system, out of memory?); run the same command again to go on '
+                          'from the groups already done, with fewer --workers if memory is short')
     if isinstance(record, BaseException):
       raise record
     if submitted < jobs:

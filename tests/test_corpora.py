@@ -192,6 +192,57 @@ def test_a_bad_record_stops_preparation_naming_file_line_and_reason(tmp_path):
   assert {b'good one', b'good two'} <= set(stored_documents(out))
 
 
+def test_a_pool_worker_killed_mid_group_stops_preparation_in_one_line_and_a_rerun_finishes(
+    tmp_path):
+  """A worker of the local engine's pool is killed (SIGKILL, as the out-of-memory killer does)
+  while it writes a group's shard: `python -m data.prepare` stops with one line and exit code 2
+  (it used to wait forever for the lost group), leaves no half-written file, and the same command
+  again finishes with the bytes of an uninterrupted preparation."""
+  import re
+  import signal
+  import subprocess
+  import threading
+  from tests.helpers import child_environ
+  rng = np.random.default_rng(0)
+  (tmp_path / 'big').mkdir()
+  for i in range(4):   # 4 groups of 24 MB: long enough to be caught writing
+    letters = rng.integers(ord('a'), ord('z') + 1, 24 << 20, dtype=np.uint8)
+    (tmp_path / 'big' / f'{i}.txt').write_bytes(letters.tobytes())
+  out, root = tmp_path / 'killed', os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out.mkdir()
+  command = [sys.executable, '-m', 'data.prepare', f'--input={tmp_path}/big/*.txt',
+             f'--out={out}', '--val_fraction=0.25', '--shard_mb=20', '--workers=2']
+  killed, stop = [], threading.Event()
+
+  def kill_a_writer():
+    while not killed and not stop.is_set():
+      for name in os.listdir(out):   # a shard being written by a worker, named by its pid
+        if match := re.search(r'\.bin\.tmp(\d+)$', name):
+          os.kill(int(match[1]), signal.SIGKILL)
+          killed.append(name)
+          return
+
+  watcher = threading.Thread(target=kill_a_writer)
+  watcher.start()
+  try:
+    done = subprocess.run(command, cwd=root, env=child_environ(), capture_output=True, text=True,
+                          timeout=300)
+  finally:
+    stop.set()
+    watcher.join()
+  assert killed and done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      'error: a preparing worker process died (exit code -9: killed by the system, out of '
+      'memory?); run the same command again')
+  assert not any('.tmp' in name for name in os.listdir(out))
+  subprocess.run(command, cwd=root, env=child_environ(), check=True, capture_output=True,
+                 timeout=300)
+  prepare(f'{tmp_path}/big/*.txt', 'bytes', str(tmp_path / 'whole'), val_fraction=0.25,
+          shard_mb=20, progress=False)
+  files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+  assert files(out) == files(tmp_path / 'whole')
+
+
 def test_a_cut_compressed_file_is_a_bad_record(tmp_path):
   data = gzip.compress(''.join(json.dumps({'text': t}) + '\n' for t in texts(50, 2)).encode())
   (tmp_path / 'cut.jsonl.gz').write_bytes(data[:len(data) // 2])
