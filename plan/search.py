@@ -60,8 +60,9 @@ class Candidate:
   @property
   def device_bytes(self) -> float:
     """What the target's device holds: the estimate, less what the step writes to host memory,
-    which XLA:CPU keeps in device temp (an offloaded optimizer's new state), plus what a GPU
-    streams through the device instead (a layer's state at a time)."""
+    which XLA:CPU keeps in device temp (an offloaded optimizer's new state), plus, from XLA:CPU's
+    terms, what a GPU streams through the device instead (a layer's state at a time; the GPU
+    estimate counts it in the update)."""
     return (self.estimate['total'] - self.estimate.get('host_writes', 0)
             + self.host.get('streamed', 0))
 
@@ -163,7 +164,7 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
   cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)
-  if recipe.offload:
+  if recipe.offload and backend != 'gpu':   # the GPU estimate holds it in its update's phase
     host['streamed'] = streamed_state_bytes(cfg, policy, shape)
   return Candidate(recipe, estimate(cfg, policy, shape, frozen),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,

@@ -282,3 +282,21 @@ def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path):
   assert case['attached_bytes'] > 0 and case['peak_bytes'] is None   # a CPU reports no peak
   assert results['target'] == '1xH100-80GB' and results['description_differences'] is None
   assert (tmp_path / 'out' / 'target-check-cpu-smoke.md').exists()
+
+
+@needs_plugin
+def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memory_twice_for_its_layers():
+  """The optimizer state in host memory (parallel.offload_optimizer) compiled for one H100: the
+  device's figure holds none of it at the backward's peak, and host memory holds the state and
+  the layers' new state beside it (the other weights' new state takes its old one's place)."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_master', 'parallel.offload_optimizer': True,
+                          'mesh.data': 1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0,
+                          'model.remat': 'dots', 'train.batch_size': 4, 'train.seq_len': 64})
+  s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
+  report = run.memory_report(s, run.compile_train_step(s))
+  host, estimated_host = report['host_bytes'], report['estimate_host_bytes']
+  # Host buffers are whole arrays that no scheduling choice moves: the model's count, to the byte
+  # but for the step counts' scalars.
+  assert abs(estimated_host['total'] - host['total']) <= 64, (host, estimated_host)
+  assert report['estimate_bytes'].get('optimizer', 0) == 0
