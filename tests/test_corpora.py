@@ -202,6 +202,7 @@ def test_a_pool_worker_killed_mid_group_stops_preparation_in_one_line_and_a_reru
   import signal
   import subprocess
   import threading
+  import time
   from tests.helpers import child_environ
   rng = np.random.default_rng(0)
   (tmp_path / 'big').mkdir()
@@ -221,6 +222,7 @@ def test_a_pool_worker_killed_mid_group_stops_preparation_in_one_line_and_a_reru
           os.kill(int(match[1]), signal.SIGKILL)
           killed.append(name)
           return
+      time.sleep(0.001)   # a look a millisecond: the two workers keep the cores
 
   watcher = threading.Thread(target=kill_a_writer)
   watcher.start()
