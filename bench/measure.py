@@ -1,5 +1,6 @@
 """What the benchmarks measure the same way (no flags here: several benchmarks import it): the
-compared shapes, the matmul and streaming rates a machine reaches, and random batches on the devices."""
+matmul and streaming rates a machine reaches, and random batches on the devices (the compared shapes
+are bench/shapes.py's)."""
 import time
 
 import jax
@@ -7,54 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.setup import Setup
-
-# The model and batch shapes bench/versus.py and bench/studies/pieces.py compare. `issue`: the
-# shape of issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
-SHAPES = {
-    'issue': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
-                  head_dim=64, mlp_dim=1024, tie_embeddings=False, batch_size=8, seq_len=256),
-    'small': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                  head_dim=32, mlp_dim=768, tie_embeddings=True, batch_size=16, seq_len=128),
-    # Llama-3.2-1B's shapes (our 1b preset) at issue 47's batch: a GPU's shape.
-    '1b': dict(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-               head_dim=64, mlp_dim=8192, tie_embeddings=True, batch_size=8, seq_len=2048),
-}
-
-MODEL_KEYS = ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
-              'mlp_dim', 'tie_embeddings')
-
-
-def our_overrides(spec: dict) -> list[str]:
-  """--config.* flags that make configs/default.py:small the compared model and batch."""
-  flags_ = [f'--config.model.{k}={spec[k]}' for k in MODEL_KEYS]
-  flags_.append(f'--config.model.max_seq_len={max(spec["seq_len"], 512)}')
-  flags_ += [f'--config.train.batch_size={spec["batch_size"]}',
-             f'--config.train.seq_len={spec["seq_len"]}',
-             f'--config.precision={spec["ours_precision"]}',
-             f'--config.data.packing={spec["packing"]}',
-             f'--config.model.attention={spec["attention"]}']
-  return flags_ + [f'--config.{o}' for o in spec['overrides']]
-
-
-def typed(config, key: str, text: str):
-  """`text` as the type of the config value at dotted `key` (as a --config.key=text flag parses it)."""
-  node = config
-  for part in key.split('.'):
-    node = node[part]
-  if isinstance(node, bool):
-    return text == 'True'
-  return type(node)(text)
-
-
-def our_config(spec: dict):
-  """configs/default.py:small made the compared model and batch, as `our_overrides` says."""
-  import configs
-  from configs.default import override
-  config = configs.load('configs/default.py:small')
-  for flag in our_overrides(spec):
-    key, value = flag[len('--config.'):].split('=', 1)
-    override(config, key, typed(config, key, value))
-  return config
 
 
 def matmul_flops_per_sec(size: int, dtype, repeats: int = 10) -> float:

@@ -37,7 +37,7 @@ import time
 
 from absl import app, flags
 
-from bench.measure import SHAPES, our_config, our_overrides
+from bench.shapes import SHAPES, our_config, our_overrides
 from train.metrics import read_rows
 
 PROGRAMS = ('torch', 'torch_compile', 'plain_jax', 'ours_step', 'ours_loop')

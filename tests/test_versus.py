@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip('torch')
 
 from bench import eager_torch  # noqa: E402
-from bench.measure import SHAPES, our_config  # noqa: E402
+from bench.shapes import SHAPES, our_config  # noqa: E402
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
             mlp_dim=64, tie_embeddings=True, batch_size=2, seq_len=16)

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bench.measure import SHAPES, streaming_bytes_per_sec
+from bench.measure import streaming_bytes_per_sec
+from bench.shapes import SHAPES
 
-_SHAPE = flags.DEFINE_enum('shape', 'issue', list(SHAPES), 'Model and batch shape(bench/measure.py).')
+_SHAPE = flags.DEFINE_enum('shape', 'issue', list(SHAPES), 'Model and batch shape (bench/shapes.py).')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per piece; the best is reported.')
 _THREADS = flags.DEFINE_integer('torch_threads', 2, 'torch.set_num_threads.')
 _ONLY = flags.DEFINE_string('only', None, 'Only the pieces whose name matches this regex.')
