@@ -347,9 +347,11 @@ def test_zero3_under_1f1b_or_gathered_once_gathers_each_stages_weights_once_per_
 def test_weights_gathered_once_keep_their_tensor_split(schedule, overrides):
   """A stage's ZeRO-3 weights gathered once are whole over `fsdp` only: with 2-way tensor
   parallelism beside it, each device gathers its tensor half of them, not the whole weights
-  (against the same mesh with a data axis in place of the tensor one)."""
+  (against the same mesh with a data axis in place of the tensor one). Two layers a stage: the
+  split is each layer's, and 1F1B's program compiles in two thirds of the time of four."""
   def gathered(mesh):
-    s = run.setup(config(16, mesh=mesh, **{'parallel.pipeline_schedule': schedule, **overrides}))
+    s = run.setup(config(16, mesh=mesh, **{'parallel.pipeline_schedule': schedule,
+                                           'model.num_layers': 4, **overrides}))
     return run.memory_report(s, run.compile_train_step(s))['collectives_per_step']['all-gather']['bytes']
   tensor = gathered(dict(stage=2, data=1, fsdp=2, tensor=2))
   data = gathered(dict(stage=2, data=2, fsdp=2, tensor=1))
