@@ -213,6 +213,8 @@ def main(argv):
   from train.init_from import InitError
   from train.loop import NonFiniteError
   from train.workdir_lock import WorkdirBusy
+  from train import collector
+  collector.settle()   # the libraries are imported: out of the garbage collector's walks
 
   import jax
   config = _CONFIG.value

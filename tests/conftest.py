@@ -44,3 +44,11 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if hasattr(config, "suite_cache"):
     shutil.rmtree(config.suite_cache, ignore_errors=True)
+
+
+def pytest_collection_finish(session):
+  """Every test module is imported: what is alive now lives as long as the process, so the garbage
+  collector stops walking it (train/collector.py; the suite's tests trace and compile hundreds of
+  programs a process)."""
+  from train import collector
+  collector.settle()
