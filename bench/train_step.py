@@ -40,8 +40,9 @@ def main(argv):
   from configs.hardware import datasheet
   from memory.compiled import GiB, device_memory_limit, peak_device_memory
   from models.attention import resolve
-  from train import init_from
+  from train import collector, init_from
   from train.run import compile_train_step, memory_report
+  collector.settle()   # as main.py does once the libraries are imported
 
   config = _CONFIG.value
   if _STEPS.value < 1 or _WARMUP.value < 0:
