@@ -14,7 +14,9 @@ YOUNG_COLLECTION_EVERY = 10_000   # net allocations (CPython's default: 700)
 
 
 def settle() -> None:
-  """Freeze what is alive now (imported modules and what they built) and space young collections."""
+  """Freeze what is alive now (imported modules and what they built), after one collection so that
+  no garbage of the imports is frozen with it, and space young collections."""
+  gc.collect()
   gc.freeze()
   _, older, oldest = gc.get_threshold()
   gc.set_threshold(YOUNG_COLLECTION_EVERY, older, oldest)
