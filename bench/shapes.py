@@ -30,7 +30,7 @@ def our_overrides(spec: dict) -> list[str]:
 
 
 def typed(config, key: str, text: str):
-  """`text` as the type of the config value at dotted `key` (as a --config.key=text flag parses it)."""
+  """`text` as the type of the config value at dotted `key` (as --config.key=text parses it)."""
   node = config
   for part in key.split('.'):
     node = node[part]

@@ -12,10 +12,10 @@
 Each program runs in a process of its own, compiled and warmed up once (where rounds are
 interleaved, the processes start, compile and warm up side by side: none is timed then; ours_loop
 compiles in each round instead); on the CPU rounds are interleaved (every program in turn,
-`--rounds` times, pausing between them so no program's idle threads spin into the next). On a GPU the programs run one at a time (each process's rounds, then
-the next process): two 1b trainings do not fit one GPU's memory side by side. Each program's best
-round is reported, with its ratio to the others'. `ours_loop` starts main.py anew each round (its
-compile is outside the timed interval).
+`--rounds` times, pausing between them so no program's idle threads spin into the next). On a GPU
+the programs run one at a time (each process's rounds, then the next process): two 1b trainings
+do not fit one GPU's memory side by side. Each program's best round is reported, with its ratio to
+the others'. `ours_loop` starts main.py anew each round (its compile is outside the timed interval).
 
   python -m bench.versus                                   # the issue-29 shape, fp32
   python -m bench.versus --shape=small --precision=bf16    # the default preset's shape, bf16

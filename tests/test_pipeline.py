@@ -348,7 +348,8 @@ def test_weights_gathered_once_keep_their_tensor_split(schedule, overrides):
   """A stage's ZeRO-3 weights gathered once are whole over `fsdp` only: with 2-way tensor
   parallelism beside it, each device gathers its tensor half of them, not the whole weights
   (against the same mesh with a data axis in place of the tensor one). Two layers a stage: the
-  split is each layer's, and 1F1B's program compiles in two thirds of the time of four."""
+  split is each layer's, and 1F1B's program compiles in about two thirds of the time that four
+  layers a stage take."""
   def gathered(mesh):
     s = run.setup(config(16, mesh=mesh, **{'parallel.pipeline_schedule': schedule,
                                            'model.num_layers': 4, **overrides}))
