@@ -225,13 +225,20 @@ def offload(config, *, stages: int, device=None) -> None:
                       'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')
 
 
-def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str) -> ModelSpec:
-  """The spec with the attention a pipeline of packed rows can run: JAX's cuDNN attention cannot
-  be batched over the stages with the rows' segment mask (its batching rule reshapes the mask to
-  one per head: the step does not compile, jax 0.10.2 and 0.11.2, 7b on 4 stages of H100s). There
-  `auto` is the flash kernel, and `cudnn` itself is refused."""
+def unbatchable_attention(config, spec: ModelSpec, platform: str) -> bool:
+  """Whether the step runs JAX's cuDNN attention on packed rows, which no `vmap` may batch: its
+  batching rule reshapes the rows' segment mask to one per head, and the step does not compile
+  (jax 0.10.2 and 0.11.2: 7b on 4 stages of H100s; 1b data-parallel over 8 H100s in 8
+  microbatches)."""
   chosen = resolve_attention(spec.config.attention, spec.policy.compute_dtype, platform)
-  if stages == 1 or not config.data.packing or chosen != 'cudnn':
+  return bool(config.data.packing) and chosen == 'cudnn'
+
+
+def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str) -> ModelSpec:
+  """The spec with the attention a pipeline of packed rows can run: a pipeline batches its stages
+  with `vmap`, which JAX's cuDNN attention with a segment mask cannot take
+  (`unbatchable_attention`). There `auto` is the flash kernel, and `cudnn` itself is refused."""
+  if stages == 1 or not unbatchable_attention(config, spec, platform):
     return spec
   if spec.config.attention == 'cudnn':
     raise ConfigError(f"model.attention='cudnn' with mesh.stage={stages} and data.packing=True: "

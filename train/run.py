@@ -76,11 +76,16 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
     raise checks.ConfigError(str(e)) from None
   # Per-device accumulation (train/step.py) where gradients are replicated over more than one
   # data-parallel device (with one there is nothing to reduce) and summed over several
-  # microbatches: the accumulation's, or the pipeline's. Not around a zero-bubble pipeline: its
-  # shard_map over `stage` cannot run inside that vmap over the data-parallel devices (jax 0.10.2
-  # lowers it with the wrong local shapes), so there XLA reduces the gradients where it places them.
+  # microbatches: the accumulation's, or the pipeline's. Not where that vmap over the data-parallel
+  # devices cannot batch the step, and there XLA reduces the gradients where it places them (each
+  # microbatch's, as DDP without no_sync): around a zero-bubble pipeline (its shard_map over
+  # `stage` is lowered with the wrong local shapes, jax 0.10.2), and around cuDNN's attention on
+  # packed rows (`checks.unbatchable_attention`; the flash kernel there would cost more: cuDNN's
+  # step is 1.54x flash's on an H200). A shard_map over the data-parallel axes instead of the vmap
+  # does not compile either: cuDNN's custom partitioning fails inside it (jax 0.10.2).
   repeated = config.train.microbatches > 1 or schedule is not None
-  vmappable = schedule is None or not schedule.zero_bubble
+  vmappable = ((schedule is None or not schedule.zero_bubble)
+               and not checks.unbatchable_attention(config, spec, mesh.devices.flat[0].platform))
   per_device = (PerDevice(mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
                 if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated
                 and vmappable else None)
