@@ -447,14 +447,21 @@ def optimizer_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float
   master = shape.stage_params(cfg) * policy.master_bytes / shards(cfg, shape, 'optimizer')
   if shape.adam_bits == 32:
     return master + 2 * shape.stage_params(cfg) * policy.moment_bytes / shards(cfg, shape, 'optimizer')
-  total = 0
+  return master + 2 * sum(eight_bit_moment(cfg, shape))
+
+
+def eight_bit_moment(cfg: ModelConfig, shape: StepShape) -> tuple[float, float]:
+  """One 8-bit moment on one device: (its codes, a byte per value padded to whole blocks; the
+  rest: an fp32 scale per block, and the tensors too small to quantize, kept in fp32)."""
+  codes = rest = 0
   for n, ways in param_leaves(cfg, shape):
     if n >= QUANTIZED_MIN_SIZE:
       blocks = math.ceil(n / shape.adam_block_size)
-      total += (blocks * shape.adam_block_size + blocks * FP32) / _moment_ways(n, ways, shape)
+      codes += blocks * shape.adam_block_size / _moment_ways(n, ways, shape)
+      rest += blocks * FP32 / _moment_ways(n, ways, shape)
     else:
-      total += n * FP32 / ways
-  return master + 2 * total
+      rest += n * FP32 / ways
+  return codes, rest
 
 
 def activation_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -952,18 +959,35 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
   update runs)."""
   ways = shards(cfg, shape, 'optimizer')
+  # Under ZeRO-1/2 XLA:GPU gathers the new weights whole (below), not a layer at a time, where
+  # memory allows, whatever the moments' width (1b ZeRO-2, 8-bit Adam, 8 microbatches on 8
+  # H100s, bench.buffers --target: the fp32 stacks' all-gathers at the peak, 9.69 GiB compiled,
+  # -10.0 % without them).
+  gathered = ({'gathered': gathered_new_weights(cfg, policy, shape),
+               'one_at_a_time': gathered_one_at_a_time(cfg, policy, shape),
+               'new_shards': shape.stage_params(cfg) * policy.param_bytes / ways}
+              if on_gpu(shape) else {})
   if shape.adam_bits == 32 and on_gpu(shape):
     # XLA:GPU fuses the whole update (and the select that skips a non-finite step,
     # train/step.py) into one elementwise pass per weight, in place: no buffer of its own (100m
-    # and 7b DDP on 8 H100s, bench.buffers --target: the peak is the backward's). Under ZeRO-1/2
-    # the new weights are gathered whole (below), not a layer at a time, where memory allows.
-    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape),
-            'one_at_a_time': gathered_one_at_a_time(cfg, policy, shape)}
+    # and 7b DDP on 8 H100s, bench.buffers --target: the peak is the backward's).
+    return {'chain': 0, **gathered}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
     p = policy.param_bytes
     return {'chain': shape.stage_params(cfg) * (FP32 + (p if p < FP32 else 0)) / ways}
+  if on_gpu(shape):
+    # XLA:GPU lays both moments' codes out in the blocks' order whole before the update runs,
+    # beside the gradients (bench.buffers --target, 8 H100s: u8 copies of both moments at the
+    # update's peak, 100m DDP 0.19 GiB of 1.20 compiled, and with 48 layers 0.77 of 4.68; their
+    # shards under ZeRO-3, 1b [1024, 16, 2048]). The 8-bit update writes the new shards in place,
+    # where ZeRO-1/2's gathers read them (1b ZeRO-2, 8 microbatches: 4.5 GiB of fp32 gathers and
+    # the codes at the peak, no fp32 shard set beside them; compiled 9.69 GiB, +6.9 % with one
+    # counted, -10.0 % without the gathers). Not counted: at 1b DDP in one microbatch an fp32 copy
+    # of every layer stack's gradient, which XLA makes where the pipelined all-reduce peels the
+    # backward loop's last layer (compiled 18.04 GiB, -23 % without it), and not at 100m.
+    return {'chain': 2 * eight_bit_moment(cfg, shape)[0], **gathered, 'new_shards': 0}
   # One slice of the largest tensor at a time: its gradient, moments and update in fp32.
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
@@ -1189,10 +1213,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     saved *= 2
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
-  # A microbatch's own gradients beside the step's sum; on XLA:GPU also the zero-filled set the next
-  # microbatch starts from, as for the saved stacks (70b ZeRO-3 in 2 microbatches on 64 H100s,
-  # bench.buffers --target: three sets of the layers' gradient stacks at the layers' backward).
-  microbatch_grads = (grads * (2 if on_gpu(shape) else 1) if shape.microbatches > 1 else 0)
+  # A microbatch's own gradients beside the step's sum; on XLA:GPU, where they are sharded, also
+  # the zero-filled set the next microbatch starts from, as for the saved stacks (70b ZeRO-3 in 2
+  # microbatches on 64 H100s, bench.buffers --target: three sets of the layers' gradient stacks at
+  # the layers' backward). Replicated (DDP, ZeRO-1), two sets in all: the sum and the microbatch's,
+  # zero-filled from the head's backward on (1b DDP in 8 microbatches on 8 H100s, bench.buffers
+  # --target: 24.89 GiB compiled, +16.7 % with a third set counted).
+  sets = 2 if on_gpu(shape) and shape.sharded('grads') else 1
+  microbatch_grads = grads * sets if shape.microbatches > 1 else 0
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
   # a second set of the stage's gradient shards, 3.0 GiB, beside them at the peak).
@@ -1251,7 +1279,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   quantized = frozen is not None and frozen.quantized
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
-  common = microbatch_grads + copies + pipeline_grads + whole_stage + taken
+  # The update's copy of the moments' codes (`update_bytes`) is made before the microbatch loop
+  # where the gradients are replicated, and held through it (1b DDP, 8-bit Adam, 8 microbatches on
+  # 8 H100s, bench.buffers --target: both moments' codes, 2.30 GiB, at the head's backward;
+  # compiled 20.30 GiB, -13.6 % without them).
+  early_codes = (2 * eight_bit_moment(cfg, shape)[0] if on_gpu(shape) and shape.adam_bits == 8
+                 and shape.microbatches > 1 and not shape.sharded('grads') and frozen is None
+                 else 0)
+  common = microbatch_grads + copies + pipeline_grads + whole_stage + taken + early_codes
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
   # for its recomputed forward and, pipelined into the backward loop, for its backward (1b ZeRO-3
   # on 8 and 512 H100s, bench.buffers --target: two to three layers' matrices in flight at the
@@ -1319,10 +1354,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   if update.get('gathered'):
     # The scheduler gathers the new weights whole where that fits beside the state, one at a time
     # where nothing does, and as many as fit in between.
-    whole = update['gathered'] + n * p / shards(cfg, shape, 'optimizer') - grads
+    # The new shards, where the update forms them beside the gathers, replace the gradients.
+    beside = update['new_shards'] - grads
+    whole = update['gathered'] + beside
     room = scheduler_room(shape, params + (0 if shape.offload_optimizer else optimizer))
     if room is not None:
-      one = update['one_at_a_time'] + n * p / shards(cfg, shape, 'optimizer') - grads
+      one = update['one_at_a_time'] + beside
       whole = min(whole, max(one, room - grads))
     update_phase += whole
   parts = {
