@@ -230,6 +230,22 @@ def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
 
 
 @needs_plugin
+def test_a_zero_bubble_pipeline_on_gpus_takes_the_flash_kernel_even_unpacked():
+  """ZB-H1 runs its stages inside a shard_map, where cuDNN's custom partitioning fails whatever
+  the rows: there `auto` is the flash kernel (and the step compiles), and `cudnn` is refused."""
+  from train import checks, run
+  overrides = {'precision': 'bf16_mixed', 'mesh.stage': 2, 'mesh.fsdp': 1, 'mesh.data': -1,
+               'parallel.zero_stage': 0, 'parallel.pipeline_microbatches': 2,
+               'parallel.pipeline_schedule': 'zb_h1', 'model.num_layers': 4, 'data.packing': False}
+  devices = compile_devices(parse_target('4xH100-80GB'))
+  s = run.setup(tiny_config(**overrides), devices)
+  assert s.model.attention == 'flash'
+  assert run.memory_report(s, run.compile_train_step(s))['per_device_bytes']['total'] > 0
+  with pytest.raises(checks.ConfigError, match="cannot be partitioned inside that schedule"):
+    run.setup(tiny_config(**overrides, **{'model.attention': 'cudnn'}), devices)
+
+
+@needs_plugin
 def test_data_parallel_microbatches_of_packed_rows_compile_for_gpus_with_cudnn():
   """Nor over the data-parallel devices, where DDP sums each device's microbatch gradients
   locally: with packed rows on GPUs the step keeps cuDNN's kernel and reduces every microbatch's

@@ -234,17 +234,27 @@ def unbatchable_attention(config, spec: ModelSpec, platform: str) -> bool:
   return bool(config.data.packing) and chosen == 'cudnn'
 
 
-def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str) -> ModelSpec:
-  """The spec with the attention a pipeline of packed rows can run: a pipeline batches its stages
-  with `vmap`, which JAX's cuDNN attention with a segment mask cannot take
-  (`unbatchable_attention`). There `auto` is the flash kernel, and `cudnn` itself is refused."""
-  if stages == 1 or not unbatchable_attention(config, spec, platform):
+def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str,
+                        schedule: str = 'gpipe') -> ModelSpec:
+  """The spec with the attention a pipeline can run. A pipeline batches its stages with `vmap`,
+  which JAX's cuDNN attention with a segment mask cannot take (`unbatchable_attention`); the
+  zero-bubble schedule runs its stages in a `shard_map`, inside which cuDNN's custom partitioning
+  fails whatever the rows (jax 0.10.2, 1b ZB-H1 on 8 H100s: "'GSPMDSharding' object has no
+  attribute 'spec'"). There `auto` is the flash kernel, and `cudnn` itself is refused."""
+  if stages == 1 or resolve_attention(spec.config.attention, spec.policy.compute_dtype,
+                                      platform) != 'cudnn':
+    return spec
+  manual = schedule == 'zb_h1'
+  if not manual and not unbatchable_attention(config, spec, platform):
     return spec
   if spec.config.attention == 'cudnn':
-    raise ConfigError(f"model.attention='cudnn' with mesh.stage={stages} and data.packing=True: "
-                      f"JAX's cuDNN attention cannot take packed rows' segment mask inside a "
-                      f"pipeline (its batching over the stages does not compile); use 'auto' or "
-                      f"'flash', or data.packing=False")
+    why = (f"with parallel.pipeline_schedule='zb_h1': JAX's cuDNN attention cannot be partitioned "
+           f"inside that schedule's shard_map over the stages; use 'auto' or 'flash', or another "
+           f"schedule" if manual else
+           f"with mesh.stage={stages} and data.packing=True: JAX's cuDNN attention cannot take "
+           f"packed rows' segment mask inside a pipeline (its batching over the stages does not "
+           f"compile); use 'auto' or 'flash', or data.packing=False")
+    raise ConfigError(f"model.attention='cudnn' {why}")
   return dataclasses.replace(spec, config=dataclasses.replace(spec.config, attention='flash'))
 
 

@@ -57,7 +57,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
   spec = checks.pipelined_attention(config, spec, stages=mesh.shape['stage'],
-                                    platform=mesh.devices.flat[0].platform)
+                                    platform=mesh.devices.flat[0].platform,
+                                    schedule=config.parallel.pipeline_schedule)
   model = spec.config
   checks.offload(config, stages=mesh.shape['stage'], device=mesh.devices.flat[0])
   offload = config.parallel.get('offload_optimizer', False)
