@@ -212,37 +212,40 @@ def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
   assert memory['collectives_per_step']['reduce-scatter']['count'] > 0
 
 
-@needs_plugin
-def test_a_pipeline_of_packed_rows_on_gpus_takes_the_flash_kernel():
-  """JAX's cuDNN attention cannot be batched over pipeline stages with a segment mask: on GPUs a
-  pipeline of packed rows runs `auto` as the flash kernel (and compiles), and refuses `cudnn`."""
-  from train import checks, run
-  overrides = {'precision': 'bf16_mixed', 'mesh.stage': 2, 'mesh.fsdp': 1, 'mesh.data': -1,
-               'parallel.zero_stage': 0, 'parallel.pipeline_microbatches': 2, 'model.num_layers': 4}
-  devices = compile_devices(parse_target('4xH100-80GB'))
-  s = run.setup(tiny_config(**overrides), devices)
-  assert s.model.attention == 'flash'
-  assert run.memory_report(s, run.compile_train_step(s))['per_device_bytes']['total'] > 0
-  with pytest.raises(checks.ConfigError, match="cuDNN attention cannot take packed rows"):
-    run.setup(tiny_config(**overrides, **{'model.attention': 'cudnn'}), devices)
-  unpacked = run.setup(tiny_config(**overrides, **{'data.packing': False}), devices)
-  assert unpacked.model.attention == 'auto'   # cuDNN's kernel where no segment mask is batched
+PIPELINE_ON_GPUS = {'precision': 'bf16_mixed', 'mesh.stage': 2, 'mesh.fsdp': 1, 'mesh.data': -1,
+                    'parallel.zero_stage': 0, 'parallel.pipeline_microbatches': 2,
+                    'model.num_layers': 4}
 
 
 @needs_plugin
-def test_a_zero_bubble_pipeline_on_gpus_takes_the_flash_kernel_even_unpacked():
-  """ZB-H1 runs its stages inside a shard_map, where cuDNN's custom partitioning fails whatever
-  the rows: there `auto` is the flash kernel (and the step compiles), and `cudnn` is refused."""
+@pytest.mark.parametrize('overrides, refusal', [
+    # JAX's cuDNN attention cannot be batched over pipeline stages with a segment mask.
+    ({}, 'cuDNN attention cannot take packed rows'),
+    # ZB-H1 runs its stages inside a shard_map, where cuDNN's custom partitioning fails whatever
+    # the rows.
+    ({'parallel.pipeline_schedule': 'zb_h1', 'data.packing': False},
+     'cannot be partitioned inside that schedule'),
+])
+def test_a_pipeline_on_gpus_takes_the_flash_kernel_where_cudnn_cannot_run(overrides, refusal):
+  """On GPUs such a pipeline runs `auto` as the flash kernel (and compiles), and refuses
+  `cudnn` in one line."""
   from train import checks, run
-  overrides = {'precision': 'bf16_mixed', 'mesh.stage': 2, 'mesh.fsdp': 1, 'mesh.data': -1,
-               'parallel.zero_stage': 0, 'parallel.pipeline_microbatches': 2,
-               'parallel.pipeline_schedule': 'zb_h1', 'model.num_layers': 4, 'data.packing': False}
+  config = lambda **more: tiny_config(**PIPELINE_ON_GPUS, **overrides, **more)
   devices = compile_devices(parse_target('4xH100-80GB'))
-  s = run.setup(tiny_config(**overrides), devices)
+  s = run.setup(config(), devices)
   assert s.model.attention == 'flash'
   assert run.memory_report(s, run.compile_train_step(s))['per_device_bytes']['total'] > 0
-  with pytest.raises(checks.ConfigError, match="cannot be partitioned inside that schedule"):
-    run.setup(tiny_config(**overrides, **{'model.attention': 'cudnn'}), devices)
+  with pytest.raises(checks.ConfigError, match=refusal):
+    run.setup(config(**{'model.attention': 'cudnn'}), devices)
+
+
+@needs_plugin
+def test_a_gpipe_pipeline_of_unpacked_rows_on_gpus_keeps_cudnn():
+  """No segment mask to batch, no shard_map: cuDNN's kernel, as everywhere on a GPU."""
+  from train import run
+  unpacked = run.setup(tiny_config(**PIPELINE_ON_GPUS, **{'data.packing': False}),
+                       compile_devices(parse_target('4xH100-80GB')))
+  assert unpacked.model.attention == 'auto'
 
 
 @needs_plugin
