@@ -982,9 +982,8 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
     # beside the gradients (bench.buffers --target, 8 H100s: u8 copies of both moments at the
     # update's peak, 100m DDP 0.19 GiB of 1.20 compiled, and with 48 layers 0.77 of 4.68; their
     # shards under ZeRO-3, 1b [1024, 16, 2048]). The 8-bit update writes the new shards in place,
-    # where ZeRO-1/2's gathers read them (1b ZeRO-2, 8 microbatches: 4.5 GiB of fp32 gathers and
-    # the codes at the peak, no fp32 shard set beside them; compiled 9.69 GiB, +6.9 % with one
-    # counted, -10.0 % without the gathers). Not counted: at 1b DDP in one microbatch an fp32 copy
+    # where ZeRO-1/2's gathers read them (no fp32 shard set beside the gathers at that peak:
+    # +6.9 % with one counted). Not counted: at 1b DDP in one microbatch an fp32 copy
     # of every layer stack's gradient, which XLA makes where the pipelined all-reduce peels the
     # backward loop's last layer (compiled 18.04 GiB, -23 % without it), and not at 100m.
     return {'chain': 2 * eight_bit_moment(cfg, shape)[0], **gathered, 'new_shards': 0}
@@ -1217,7 +1216,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # 4 microbatches on 8 H100s: the fill at 1383 of 2505 in XLA's live ranges, against 71 of 2203
     # for LoRA; compiled 3.00 GiB, +49 % with two sets; 20b on 8 and 7b on one H100 +53 and +46 %).
     # Without remat the peak is inside the forward loop, beside the fill (100m QLoRA, remat none:
-    # both sets at the peak; -17 % with one).
+    # both sets at the peak; counting one made that estimate 17 % under the compiled 2.14 GiB).
     saved *= 2
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
@@ -1226,8 +1225,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # microbatches on 64 H100s, bench.buffers --target: three sets of the layers' gradient stacks at
   # the layers' backward). Replicated (DDP, ZeRO-1), two sets in all: the sum and the microbatch's,
   # zero-filled from the head's backward on (1b DDP in 8 microbatches on 8 H100s, bench.buffers
-  # --target: 24.89 GiB compiled, +16.7 % with a third set counted).
-  sets = 2 if on_gpu(shape) and shape.sharded('grads') else 1
+  # --target: 24.89 GiB compiled, +16.7 % with a third set counted). Read where each microbatch's
+  # gradients are all-reduced (packed rows with cuDNN's attention, train/run.py); the per-device
+  # accumulation's sums (unpacked rows) were not read on XLA:GPU.
+  sets = 2 if on_gpu(shape) and shape.sharded('grads') and shape.fsdp > 1 else 1
   microbatch_grads = grads * sets if shape.microbatches > 1 else 0
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
@@ -1291,7 +1292,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # 8 H100s, bench.buffers --target: both moments' codes, 2.30 GiB, at the head's backward;
   # compiled 20.30 GiB, -13.6 % without them).
   early_codes = (2 * eight_bit_moment(cfg, shape)[0] if on_gpu(shape) and shape.adam_bits == 8
-                 and shape.microbatches > 1 and not shape.sharded('grads') and frozen is None
+                 and shape.microbatches > 1 and frozen is None
+                 and not (shape.sharded('grads') and shape.fsdp > 1)
                  else 0)
   common = microbatch_grads + copies + pipeline_grads + whole_stage + taken + early_codes
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:

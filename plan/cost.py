@@ -9,7 +9,8 @@ printed with every plan.
 - Data-parallel collectives (ring algorithms: an all-reduce moves 2 (k-1)/k of the buffer per
   device, an all-gather or reduce-scatter (k-1)/k) run over NVLink while the data-parallel group
   fits in one node and over the network beyond it; they overlap with compute:
-    DDP       one all-reduce of the gradients per step (microbatches summed locally first)
+    DDP       one all-reduce of the gradients per step (microbatches summed locally first;
+              per microbatch where cuDNN's attention runs on packed rows: train/run.py)
     ZeRO-1    a reduce-scatter of the gradients and an all-gather of the updated weights per step
     ZeRO-2    a reduce-scatter per microbatch, an all-gather of the weights per step
     ZeRO-3    per microbatch: the weights gathered for the forward and again for the backward pass,
@@ -129,11 +130,14 @@ class Recipe:
 
 
 def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, target: Target,
-                 policy: Policy, base_trains: bool = True) -> dict[str, float]:
+                 policy: Policy, base_trains: bool = True,
+                 reduces_every_microbatch: bool = False) -> dict[str, float]:
   """Seconds per step by part, and the bytes behind the communication parts. Weights are gathered
   and gradients reduced in the policy's param dtype. `base_trains=False`: LoRA (the compute has
   no weight gradients; the optimizer and the collectives are still sized as full training, an
-  over-estimate that is small beside the compute on one node)."""
+  over-estimate that is small beside the compute on one node). `reduces_every_microbatch`: the
+  step cannot sum replicated gradients per device (train/checks.py:unbatchable_attention), so DDP
+  and ZeRO-1 all-reduce them after every microbatch."""
   param_bytes, compute_bytes = policy.param_bytes, policy.compute_bytes
   n, t, P, c = target.count, recipe.tensor, recipe.stages, recipe.context
   # The devices that share one copy of the model: the data-parallel ones and the context shards.
@@ -171,9 +175,11 @@ def step_seconds(cfg: ModelConfig, recipe: Recipe, batch: int, seq_len: int, tar
   if backward_in_loop and zero_shards(recipe.zero_stage, 'params'):
     dp_bytes = recipe.microbatches * f * weights + m * f * chunk
   # zb_h1 with replicated gradients has no per-device accumulation (train/run.py): each W's
-  # gradient is all-reduced.
+  # gradient is all-reduced; nor has a step whose attention cannot be batched over the devices.
   if zero_bubble and not zero_shards(recipe.zero_stage, 'grads'):
     dp_bytes = 2 * m * f * weights
+  elif reduces_every_microbatch and P == 1 and not zero_shards(recipe.zero_stage, 'grads'):
+    dp_bytes = 2 * recipe.microbatches * f * weights
   # The mesh is stage-major: the data-parallel and tensor devices of a stage are n / P neighbours.
   dp_link = target.intra_node if n // P <= target.per_node else target.inter_node
   dp_comm = dp_bytes / dp_link

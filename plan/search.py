@@ -166,9 +166,12 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)
   if recipe.offload and backend != 'gpu':   # the GPU estimate holds it in its update's phase
     host['streamed'] = streamed_state_bytes(cfg, policy, shape)
+  reduces = checks.unbatchable_attention(config.data.packing, cfg.attention, policy.compute_dtype,
+                                         'gpu', recipe.context)
   return Candidate(recipe, estimate(cfg, policy, shape, frozen),
                    step_seconds(cfg, recipe, config.train.batch_size, config.train.seq_len, target,
-                                policy, base_trains=not config.lora.rank), host=host)
+                                policy, base_trains=not config.lora.rank,
+                                reduces_every_microbatch=reduces), host=host)
 
 
 def host_fits(candidate: Candidate, target: Target) -> bool:

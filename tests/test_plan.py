@@ -281,6 +281,30 @@ def test_the_optimizer_traffic_reads_the_moments_in_their_stored_dtype():
   assert optimizer_bytes('bf16_mixed', 8) == pytest.approx(3 * 4 + 2 * 2 * (1 + 4 / 2048), rel=1e-3)
 
 
+
+def test_replicated_gradients_are_all_reduced_every_microbatch_where_the_step_cannot_sum_them():
+  """DDP and ZeRO-1 sum their microbatches' gradients per device and all-reduce once, except where
+  cuDNN's attention runs on packed rows (train/checks.py:unbatchable_attention): then the planner
+  charges an all-reduce per microbatch, as the step does; ZeRO-2 is charged the same either way."""
+  from plan.cost import Recipe, step_seconds
+  from plan.search import evaluate
+  from precision.policy import get_policy
+  from train.checks import model_config
+  config, target = default.get_config('1b'), parse_target('16xH100-80GB')
+  cfg, seq, policy = model_config(config), config.train.seq_len, get_policy('bf16_mixed')
+
+  def reduced(stage, **flag):
+    recipe = Recipe('bf16_mixed', 32, stage, 1, 'full', 4)
+    return step_seconds(cfg, recipe, 64, seq, target, policy, **flag)['data_parallel_bytes']
+
+  for stage in (0, 1):
+    assert reduced(stage, reduces_every_microbatch=True) == pytest.approx(4 * reduced(stage))
+  assert reduced(2, reduces_every_microbatch=True) == reduced(2)
+  ddp = Recipe('bf16_mixed', 32, 0, 1, 'full', 4)
+  packed = evaluate(config, ddp, target).seconds['data_parallel_bytes']
+  config.data.packing = False
+  assert packed == pytest.approx(4 * evaluate(config, ddp, target).seconds['data_parallel_bytes'])
+
 def _fastest_fitting(preset: str, target_name: str, **overrides):
   from plan.search import host_fits
   config = default.get_config(preset)

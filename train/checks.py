@@ -225,33 +225,36 @@ def offload(config, *, stages: int, device=None) -> None:
                       'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')
 
 
-def unbatchable_attention(config, spec: ModelSpec, platform: str) -> bool:
+def unbatchable_attention(packing: bool, attention: str, compute_dtype, platform: str,
+                          context: int = 1) -> bool:
   """Whether the step runs JAX's cuDNN attention on packed rows, which no `vmap` may batch: its
   batching rule reshapes the rows' segment mask to one per head, and the step does not compile
   (jax 0.10.2 and 0.11.2: 7b on 4 stages of H100s; 1b data-parallel over 8 H100s in 8
-  microbatches)."""
-  chosen = resolve_attention(spec.config.attention, spec.policy.compute_dtype, platform)
-  return bool(config.data.packing) and chosen == 'cudnn'
+  microbatches). Split over `context` devices the attention is the context kernel, not cuDNN's.
+  The step (per-device accumulation, pipelines) and the planner's cost of it read this."""
+  chosen = resolve_attention(attention, compute_dtype, platform)
+  return bool(packing) and chosen == 'cudnn' and context == 1
 
 
-def pipelined_attention(config, spec: ModelSpec, *, stages: int, platform: str,
-                        schedule: str = 'gpipe') -> ModelSpec:
+def pipelined_attention(config, spec: ModelSpec, *, schedule: PipelineSchedule | None,
+                        platform: str) -> ModelSpec:
   """The spec with the attention a pipeline can run. A pipeline batches its stages with `vmap`,
   which JAX's cuDNN attention with a segment mask cannot take (`unbatchable_attention`); the
   zero-bubble schedule runs its stages in a `shard_map`, inside which cuDNN's custom partitioning
   fails whatever the rows (jax 0.10.2, 1b ZB-H1 on 8 H100s: "'GSPMDSharding' object has no
   attribute 'spec'"). There `auto` is the flash kernel, and `cudnn` itself is refused."""
-  if stages == 1 or resolve_attention(spec.config.attention, spec.policy.compute_dtype,
-                                      platform) != 'cudnn':
+  if schedule is None or resolve_attention(spec.config.attention, spec.policy.compute_dtype,
+                                           platform) != 'cudnn':
     return spec
-  manual = schedule == 'zb_h1'
-  if not manual and not unbatchable_attention(config, spec, platform):
+  manual = bool(schedule.zero_bubble)
+  if not manual and not unbatchable_attention(config.data.packing, spec.config.attention,
+                                              spec.policy.compute_dtype, platform):
     return spec
   if spec.config.attention == 'cudnn':
     why = (f"with parallel.pipeline_schedule='zb_h1': JAX's cuDNN attention cannot be partitioned "
            f"inside that schedule's shard_map over the stages; use 'auto' or 'flash', or another "
            f"schedule" if manual else
-           f"with mesh.stage={stages} and data.packing=True: JAX's cuDNN attention cannot take "
+           f"with mesh.stage={schedule.stages} and data.packing=True: JAX's cuDNN attention cannot take "
            f"packed rows' segment mask inside a pipeline (its batching over the stages does not "
            f"compile); use 'auto' or 'flash', or data.packing=False")
     raise ConfigError(f"model.attention='cudnn' {why}")

@@ -56,9 +56,8 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                       tokenizer_vocab=tokenizer_vocab, context=mesh.shape['context'])
   schedule = checks.pipeline_schedule(config, stages=mesh.shape['stage'],
                                       data_parallel=data_parallel_size(mesh))
-  spec = checks.pipelined_attention(config, spec, stages=mesh.shape['stage'],
-                                    platform=mesh.devices.flat[0].platform,
-                                    schedule=config.parallel.pipeline_schedule)
+  platform = mesh.devices.flat[0].platform
+  spec = checks.pipelined_attention(config, spec, schedule=schedule, platform=platform)
   model = spec.config
   checks.offload(config, stages=mesh.shape['stage'], device=mesh.devices.flat[0])
   offload = config.parallel.get('offload_optimizer', False)
@@ -81,12 +80,15 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   # devices cannot batch the step, and there XLA reduces the gradients where it places them (each
   # microbatch's, as DDP without no_sync): around a zero-bubble pipeline (its shard_map over
   # `stage` is lowered with the wrong local shapes, jax 0.10.2), and around cuDNN's attention on
-  # packed rows (`checks.unbatchable_attention`; the flash kernel there would cost more: cuDNN's
-  # step is 1.54x flash's on an H200). A shard_map over the data-parallel axes instead of the vmap
-  # does not compile either: cuDNN's custom partitioning fails inside it (jax 0.10.2).
+  # packed rows (`checks.unbatchable_attention`; the flash kernel there would cost more: a 1b step
+  # with cuDNN's runs 1.54x as fast as with flash's on an H200). A shard_map over the data-parallel
+  # axes instead of the vmap does not compile either: cuDNN's custom partitioning fails inside it
+  # (jax 0.10.2).
   repeated = config.train.microbatches > 1 or schedule is not None
   vmappable = ((schedule is None or not schedule.zero_bubble)
-               and not checks.unbatchable_attention(config, spec, mesh.devices.flat[0].platform))
+               and not checks.unbatchable_attention(config.data.packing, model.attention,
+                                                    policy.compute_dtype, platform,
+                                                    mesh.shape['context']))
   per_device = (PerDevice(mesh, DATA_PARALLEL_AXES, rules.per_device_activations)
                 if rules.grads_replicated and data_parallel_size(mesh) > 1 and repeated
                 and vmappable else None)
