@@ -229,8 +229,8 @@ def unbatchable_attention(packing: bool, attention: str, compute_dtype, platform
                           context: int = 1) -> bool:
   """Whether the step runs JAX's cuDNN attention on packed rows, which no `vmap` may batch: its
   batching rule reshapes the rows' segment mask to one per head, and the step does not compile
-  (jax 0.10.2 and 0.11.2: 7b on 4 stages of H100s; 1b data-parallel over 8 H100s in 8
-  microbatches). Split over `context` devices the attention is the context kernel, not cuDNN's.
+  (jax 0.10.2 and 0.11.2: 7b on 4 stages of H100s; jax 0.10.2: 1b data-parallel over 8 H100s in
+  8 microbatches). Split over `context` devices the attention is the context kernel, not cuDNN's.
   The step (per-device accumulation, pipelines) and the planner's cost of it read this."""
   chosen = resolve_attention(attention, compute_dtype, platform)
   return bool(packing) and chosen == 'cudnn' and context == 1
