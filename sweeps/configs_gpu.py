@@ -7,9 +7,9 @@ nothing allocated.
 
 Each config of configs/ that trains (the layouts, precisions, quantized and fine-tuning recipes,
 the pipeline) at its default preset (`small`) and at `1b` (64 x 2048 tokens in 8 microbatches),
-each in its own precision and layout: the GPU paths a
-CPU test does not take (cuDNN's attention, XLA:GPU's partitioner) on the shapes users start from.
-A point that fails to compile is a bug: the sweep lists it as failed, with its log.
+each in its own precision and layout: the GPU paths a CPU test does not take (cuDNN's attention,
+XLA:GPU's partitioner) on the shapes users start from. A point that fails to compile is a bug:
+the sweep lists it as failed, with its log.
 """
 from sweep.grid import Point
 
