@@ -216,6 +216,12 @@ class StepShape:
     return self.sharded('params') and self.fsdp > 1
 
   @property
+  def scatters_grads(self) -> bool:
+    """ZeRO-2/3 over more than one device: gradients are reduce-scattered into shards (on one
+    device the program is DDP's)."""
+    return self.sharded('grads') and self.fsdp > 1
+
+  @property
   def gathers_once(self) -> bool:
     """ZeRO-3's weights of a pipeline stage gathered once per step, before its loop: always under
     the 1f1b schedules, under gpipe and circular with parallel.pipeline_gather_once."""
@@ -680,7 +686,7 @@ def vocab_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape,
         shape.gathers_params or policy.param_bytes > policy.compute_bytes)
   # With sharded gradients, the head's and the lookup's full-size gradients wait for their
   # reduce-scatter (see `held`); XLA:GPU forms them after the head's backward peak.
-  full_grads = int(shape.sharded('grads') and shape.fsdp > 1 and embedding_grads)
+  full_grads = int(shape.scatters_grads and embedding_grads)
   head_grads = 0 if on_gpu(shape) else full_grads
   # A tied head's full-size gradient, which waits for the lookup's to be summed with it. With 16-bit
   # compute on XLA:GPU it is formed in the compute dtype from the rounded logits' gradient, in every
@@ -1228,7 +1234,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # --target: 24.89 GiB compiled, +16.7 % with a third set counted). Read where each microbatch's
   # gradients are all-reduced (packed rows with cuDNN's attention, train/run.py); the per-device
   # accumulation's sums (unpacked rows) were not read on XLA:GPU.
-  sets = 2 if on_gpu(shape) and shape.sharded('grads') and shape.fsdp > 1 else 1
+  sets = 2 if on_gpu(shape) and shape.scatters_grads else 1
   microbatch_grads = grads * sets if shape.microbatches > 1 else 0
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
@@ -1273,7 +1279,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = (not shape.sharded('grads') or shape.fsdp == 1) and shape.microbatches == 1
+    whole = not shape.scatters_grads and shape.microbatches == 1
     unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 'grads')
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 'optimizer')})
@@ -1292,8 +1298,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # 8 H100s, bench.buffers --target: both moments' codes, 2.30 GiB, at the head's backward;
   # compiled 20.30 GiB, -13.6 % without them).
   early_codes = (2 * eight_bit_moment(cfg, shape)[0] if on_gpu(shape) and shape.adam_bits == 8
-                 and shape.microbatches > 1 and frozen is None
-                 and not (shape.sharded('grads') and shape.fsdp > 1)
+                 and shape.microbatches > 1 and frozen is None and not shape.scatters_grads
                  else 0)
   common = microbatch_grads + copies + pipeline_grads + whole_stage + taken + early_codes
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
