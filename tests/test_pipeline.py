@@ -318,6 +318,19 @@ def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_gr
   assert one_f_one_b[1] < gpipe[1] / 2
 
 
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zb_h1'])
+def test_a_split_other_than_the_blocks_moves_only_the_layers_it_runs_elsewhere(schedule):
+  """6 layers on 4 stages are stored 2, 2, 2, 0 and run 1, 2, 2, 1: three layers move one stage
+  on, and their gradients one stage back (collective permutes). Taken by a gather, XLA gathered
+  the whole stack onto every stage and all-reduced its whole gradient (405b on 64 stages: 207
+  GiB a device, 71 with the moves); so the step of 6 layers gathers and all-reduces no more
+  than that of 8, split evenly."""
+  even, uneven = (_compiled(schedule, 4, **{'model.num_layers': n})['collectives_per_step']
+                  for n in (8, 6))
+  for kind in ('all-gather', 'all-reduce'):
+    assert uneven[kind]['bytes'] <= even[kind]['bytes'], kind
+
+
 def test_zb_h1_under_remat_recomputes_a_chunk_a_layer_at_a_time_as_1f1b_does():
   """Under remat, B's and W's pullbacks recompute each layer's forward. Run as straight-line code,
   XLA recomputed the whole chunk's first and kept it (tiny, 4-layer chunks, a row a microbatch:
