@@ -1266,6 +1266,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   taken = (2 * stage_layers * p / shape.tensor
            if shape.takes_layers(cfg) and not shape.backward_in_loop and not shape.stage_whole
            and not (on_gpu(shape) and shape.sharded('params')) else 0)
+  # The 1F1B schedules hold the chunks' layers so taken (moved stage to stage) through their
+  # loop: a set of the stage's layer weights as stored, beside the stored ones (405b, 126 layers
+  # on 64 stages x tensor 2 x context 4, ZeRO-2, zb_h1, XLA:GPU, bench.buffers --target: the
+  # taken f32 [1, 2, 16384, 26624] stacks, 3.25 GiB each, at the peak).
+  if shape.takes_layers(cfg) and shape.backward_in_loop:
+    taken = stage_layers * p / shards(cfg, shape, 'params')
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).
