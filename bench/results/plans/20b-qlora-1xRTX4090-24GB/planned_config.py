@@ -1,11 +1,11 @@
-"""Planned on 2026-11-26 by
-  python main.py --config=configs/qlora.py:20b --config.train.batch_size=4 --config.train.seq_len=1024 --target=1xRTX4090-24GB --plan --workdir=runs/plan46b-20b-qlora-1xRTX4090-24GB
+"""Planned on 2026-11-29 by
+  python main.py --config=configs/qlora.py:20b --config.train.batch_size=4 --config.train.seq_len=1024 --target=1xRTX4090-24GB --plan --workdir=runs/plan-s8-20b-qlora-1xRTX4090-24GB
 
 bf16_mixed, Adam 32-bit, ZeRO-0, tensor 1, remat full, 1 microbatch(es)
 on 1xRTX4090-24GB: compiled 15.2 GB per device (estimate 15.6 GB; usable 21.6 GB), estimated 7.64 s per step, 536 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan46b-20b-qlora-1xRTX4090-24GB/planned_config.py
-Size it here:          python main.py --config=runs/plan46b-20b-qlora-1xRTX4090-24GB/planned_config.py --dry_run --target=1xRTX4090-24GB
+Run it on the target:  python main.py --config=runs/plan-s8-20b-qlora-1xRTX4090-24GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8-20b-qlora-1xRTX4090-24GB/planned_config.py --dry_run --target=1xRTX4090-24GB
 """
 import ml_collections
 
@@ -16,7 +16,8 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
           'path': '',
           'text_field': 'text',
           'tokenizer': 'bytes',
-          'val_fraction': 0.05},
+          'val_fraction': 0.05,
+          'verify_inputs': 'sampled'},
  'description': 'QLoRA: NF4 frozen base (ZeRO-3 sharded), rank-8 adapters, bf16 compute',
  'host_devices': 0,
  'init_from': '',
@@ -51,9 +52,11 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:qlora:20b@1xRTX4090-24GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'pipeline_gather_once': False,
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
+              'pipeline_stage_layers': '',
               'zero_stage': 0},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 32,

@@ -1,11 +1,11 @@
-"""Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan46b-405b-512xH100-80GB
+"""Planned on 2026-11-29 by
+  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan-s8b-405b-512xH100-80GB
 
-bf16_master, Adam 32-bit, ZeRO-3, tensor 2, remat full, 1 microbatch(es)
-on 512xH100-80GB: compiled 61.8 GB per device (estimate 61.4 GB; usable 72.0 GB), estimated 31.43 s per step, 66,724 tokens/s.
+bf16_master, Adam 32-bit, ZeRO-2, tensor 2, context 4 (ring), remat dots, 1 microbatch(es), 64 stages x 512 pipeline microbatches (zb_h1)
+on 512xH100-80GB: compiled 62.7 GB per device (estimate 62.0 GB; usable 72.0 GB), estimated 28.41 s per step, 73,823 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan46b-405b-512xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan46b-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-s8b-405b-512xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8b-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
 """
 import ml_collections
 
@@ -16,15 +16,16 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
           'path': '',
           'text_field': 'text',
           'tokenizer': 'bytes',
-          'val_fraction': 0.05},
+          'val_fraction': 0.05,
+          'verify_inputs': 'sampled'},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'context': 1, 'data': 1, 'fsdp': 256, 'stage': 1, 'tensor': 2},
+ 'mesh': {'context': 4, 'data': 1, 'fsdp': 1, 'stage': 64, 'tensor': 2},
  'model': {'attention': 'auto',
            'bias': False,
-           'context_attention': 'gather',
+           'context_attention': 'ring',
            'd_model': 16384,
            'head_dim': 128,
            'init_std': 0.02,
@@ -38,7 +39,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'num_kv_heads': 8,
            'num_layers': 126,
            'positions': 'rope',
-           'remat': 'full',
+           'remat': 'dots',
            'rope_factor': 8.0,
            'rope_high_freq_factor': 4.0,
            'rope_low_freq_factor': 1.0,
@@ -51,10 +52,12 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:405b@512xH100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
-              'pipeline_microbatches': 1,
+              'pipeline_gather_once': False,
+              'pipeline_microbatches': 512,
               'pipeline_repeats': 1,
-              'pipeline_schedule': 'gpipe',
-              'zero_stage': 3},
+              'pipeline_schedule': 'zb_h1',
+              'pipeline_stage_layers': '',
+              'zero_stage': 2},
  'precision': 'bf16_master',
  'quant': {'adam_bits': 32,
            'adam_block_size': 2048,

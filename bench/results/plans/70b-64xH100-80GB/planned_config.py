@@ -1,11 +1,11 @@
-"""Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan47-70b
+"""Planned on 2026-11-29 by
+  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan-s8b-70b-64xH100-80GB
 
-bf16_master, Adam 32-bit, ZeRO-2, tensor 8, remat dots, 32 microbatch(es)
-on 64xH100-80GB: compiled 54.8 GB per device (estimate 68.5 GB; usable 72.0 GB), estimated 19.86 s per step, 52,789 tokens/s.
+bf16_master, Adam 32-bit, ZeRO-2, tensor 1, context 4 (ring), remat none, 1 microbatch(es), 8 stages x 128 pipeline microbatches (zb_h1)
+on 64xH100-80GB: compiled 64.8 GB per device (estimate 65.2 GB; usable 72.0 GB), estimated 16.93 s per step, 61,922 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan47-70b/planned_config.py
-Size it here:          python main.py --config=runs/plan47-70b/planned_config.py --dry_run --target=64xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-s8b-70b-64xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8b-70b-64xH100-80GB/planned_config.py --dry_run --target=64xH100-80GB
 """
 import ml_collections
 
@@ -16,15 +16,16 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
           'path': '',
           'text_field': 'text',
           'tokenizer': 'bytes',
-          'val_fraction': 0.05},
+          'val_fraction': 0.05,
+          'verify_inputs': 'sampled'},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'context': 1, 'data': 1, 'fsdp': 8, 'stage': 1, 'tensor': 8},
+ 'mesh': {'context': 4, 'data': 1, 'fsdp': 2, 'stage': 8, 'tensor': 1},
  'model': {'attention': 'auto',
            'bias': False,
-           'context_attention': 'gather',
+           'context_attention': 'ring',
            'd_model': 8192,
            'head_dim': 128,
            'init_std': 0.02,
@@ -38,7 +39,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'num_kv_heads': 8,
            'num_layers': 80,
            'positions': 'rope',
-           'remat': 'dots',
+           'remat': 'none',
            'rope_factor': 1.0,
            'rope_high_freq_factor': 4.0,
            'rope_low_freq_factor': 1.0,
@@ -51,9 +52,11 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:70b@64xH100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
-              'pipeline_microbatches': 1,
+              'pipeline_gather_once': False,
+              'pipeline_microbatches': 128,
               'pipeline_repeats': 1,
-              'pipeline_schedule': 'gpipe',
+              'pipeline_schedule': 'zb_h1',
+              'pipeline_stage_layers': '',
               'zero_stage': 2},
  'precision': 'bf16_master',
  'quant': {'adam_bits': 32,
@@ -79,7 +82,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 0.00015,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 32,
+           'microbatches': 1,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 4096,

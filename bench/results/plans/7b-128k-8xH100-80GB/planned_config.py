@@ -1,11 +1,11 @@
-"""Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:7b --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --plan --workdir=runs/plan46b-7b-128k-8xH100-80GB
+"""Planned on 2026-11-29 by
+  python main.py --config=configs/fsdp.py:7b --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --plan --workdir=runs/plan-s8-7b-128k-8xH100-80GB
 
 bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat full, 2 microbatch(es)
-on 8xH100-80GB: compiled 71.4 GB per device (estimate 68.6 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
+on 8xH100-80GB: compiled 64.9 GB per device (estimate 65.7 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan46b-7b-128k-8xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan46b-7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-s8-7b-128k-8xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8-7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
 """
 import ml_collections
 
@@ -16,7 +16,8 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
           'path': '',
           'text_field': 'text',
           'tokenizer': 'bytes',
-          'val_fraction': 0.05},
+          'val_fraction': 0.05,
+          'verify_inputs': 'sampled'},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
@@ -51,9 +52,11 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:7b@8xH100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'pipeline_gather_once': False,
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
+              'pipeline_stage_layers': '',
               'zero_stage': 3},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 8,

@@ -1,11 +1,11 @@
-"""Planned on 2026-11-26 by
-  python main.py --config=configs/fsdp.py:7b --target=8xA100-80GB --plan --workdir=runs/plan46b-7b-8xA100-80GB
+"""Planned on 2026-11-29 by
+  python main.py --config=configs/fsdp.py:7b --target=8xA100-80GB --plan --workdir=runs/plan-s8-7b-8xA100-80GB
 
-bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat none, 8 microbatch(es)
-on 8xA100-80GB: compiled 55.5 GB per device (estimate 48.4 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
+bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, remat none, 4 microbatch(es)
+on 8xA100-80GB: compiled 55.6 GB per device (estimate 55.0 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan46b-7b-8xA100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan46b-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
+Run it on the target:  python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
 """
 import ml_collections
 
@@ -16,15 +16,16 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
           'path': '',
           'text_field': 'text',
           'tokenizer': 'bytes',
-          'val_fraction': 0.05},
+          'val_fraction': 0.05,
+          'verify_inputs': 'sampled'},
  'description': 'ZeRO-3 / FSDP: parameters sharded too',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'context': 2, 'data': 1, 'fsdp': 4, 'stage': 1, 'tensor': 1},
+ 'mesh': {'context': 1, 'data': 1, 'fsdp': 8, 'stage': 1, 'tensor': 1},
  'model': {'attention': 'auto',
            'bias': False,
-           'context_attention': 'ring',
+           'context_attention': 'gather',
            'd_model': 4096,
            'head_dim': 128,
            'init_std': 0.02,
@@ -51,9 +52,11 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:7b@8xA100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'pipeline_gather_once': False,
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
+              'pipeline_stage_layers': '',
               'zero_stage': 3},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 8,
@@ -79,7 +82,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 0.0003,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 8,
+           'microbatches': 4,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 4096,
