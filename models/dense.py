@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.hints import shards
 from models.loss import head_gradient_rounded
 from precision.policy import Policy
 from quant import fp8, lsq
@@ -89,8 +90,12 @@ class Dense(nnx.Module):
     else:
       kernel = self.kernel[...].astype(dtype)
     x = x.astype(dtype)
-    y = quantized_dot(x, kernel, len(self.in_features), self.policy.matmul, layer_state,
-                      self.out_dtype, self.out_dtype is not None and head_gradient_rounded(dtype))
+    n_in = len(self.in_features)
+    # Sequences whose length is split over `context`: the product keeps x's leading dims rather
+    # than flattening them into rows (quant/contraction.py).
+    rows_split = x.ndim - n_in > 1 and shards('length') > 1
+    y = quantized_dot(x, kernel, n_in, self.policy.matmul, layer_state, self.out_dtype,
+                      self.out_dtype is not None and head_gradient_rounded(dtype), rows_split)
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:

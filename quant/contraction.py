@@ -30,15 +30,21 @@ def dense_dims(x: jax.Array, n_in: int) -> jax.lax.DotDimensionNumbers:
 
 
 def dense_product(x: jax.Array, kernel: jax.Array, n_in: int, out_dtype=None,
-                  round_gradient: bool = False) -> jax.Array:
+                  round_gradient: bool = False, rows_split: bool = False) -> jax.Array:
   """x [..., *in] @ kernel [*in, *out] -> [..., *out], as a 2-D matmul forward and backward.
   `out_dtype`: accumulate into this dtype instead of x's (the head's fp32 logits), differentiated
   by autodiff's own products, which keep the fp32 gradient's precision, or with
-  `round_gradient` by `wide_product`'s, on x's dtype."""
+  `round_gradient` by `wide_product`'s, on x's dtype. `rows_split`: x's leading dims are split
+  over two mesh axes (the batch over the data-parallel ones, the sequence over `context`), which
+  their 2-D reshape cannot keep where a device holds more than one row: XLA would gather the
+  sequence on every device (7b at 128k tokens, 2 rows a device: 111 GiB a device, not 60, and
+  each device computing its context peers' tokens); the product keeps them as they are."""
   if out_dtype is not None and round_gradient:
     return wide_product(x, kernel, dense_dims(x, n_in)).astype(out_dtype)
   if out_dtype is not None or x.dtype != kernel.dtype:
     return jax.lax.dot_general(x, kernel, dense_dims(x, n_in), preferred_element_type=out_dtype)
+  if rows_split:
+    return checkpoint_name(jax.lax.dot_general(x, kernel, dense_dims(x, n_in)), DENSE_OUTPUT)
   # Named, because a remat policy cannot see the matmul inside the custom VJP: `dots` saves by
   # this name what it saves of a plain dot_general (models/llama.py).
   return checkpoint_name(_dense_2d(x, kernel, n_in), DENSE_OUTPUT)

@@ -16,6 +16,8 @@ qwix==0.1.8 in requirements.txt) with a config built from the recipe.
 `layer_state` is the Dense's own quantization parameter where the recipe has one: LSQ step sizes
 [*out], or the fp8 amax history [3, H].
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,8 +35,8 @@ except ImportError as e:
                     f'install qwix==0.1.8 as requirements.txt pins it') from None
 
 
-def _plain(x, kernel, n_in, recipe, layer_state):
-  return dense_product(x, kernel, n_in)
+def _plain(x, kernel, n_in, recipe, layer_state, rows_split=False):
+  return dense_product(x, kernel, n_in, rows_split=rows_split)
 
 
 def _qwix(config_for):
@@ -63,8 +65,9 @@ def _fp8_config(r: MatmulRecipe) -> DotGeneralQtConfig:
                             drhs_grad_qtype=jnp.float8_e5m2)
 
 
-def _int4_learned(x, kernel, n_in, recipe, layer_state):
-  return _plain(x, lsq.fake_quantize(kernel, layer_state, n_in, bits=4), n_in, recipe, None)
+def _int4_learned(x, kernel, n_in, recipe, layer_state, rows_split=False):
+  return _plain(x, lsq.fake_quantize(kernel, layer_state, n_in, bits=4), n_in, recipe, None,
+                rows_split)
 
 
 def _fp8_delayed(x, kernel, n_in, recipe, layer_state):
@@ -86,13 +89,22 @@ _PRODUCTS = {
 }
 
 
+# The products that reshape x's leading dims into rows, and keep them instead where asked
+# (`dense_product`'s `rows_split`); Qwix's keep them anyway; fp8_delayed's and llm_int8's reshape.
+_KEEP_ROWS = {'none', 'int4_learned'}
+
+
 def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
                   layer_state: jax.Array | None = None, out_dtype=None,
-                  round_gradient: bool = False) -> jax.Array:
+                  round_gradient: bool = False, rows_split: bool = False) -> jax.Array:
   """x [..., *in] @ kernel [*in, *out] under `recipe`. `out_dtype` (None: x's): an unquantized
   product accumulates into it and is never rounded to x's dtype (the head's fp32 logits; with
-  `round_gradient` its backward runs on x's dtype: `dense_product`); a quantized one is cast to it."""
+  `round_gradient` its backward runs on x's dtype: `dense_product`); a quantized one is cast to it.
+  `rows_split`: x's leading dims split over two mesh axes (`dense_product`)."""
   if out_dtype is not None and recipe.product == 'none':
     return dense_product(x, kernel, n_in, out_dtype, round_gradient)
-  y = _PRODUCTS[recipe.product](x, kernel, n_in, recipe, layer_state)
+  product = _PRODUCTS[recipe.product]
+  if rows_split and recipe.product in _KEEP_ROWS:
+    product = functools.partial(product, rows_split=True)
+  y = product(x, kernel, n_in, recipe, layer_state)
   return y if out_dtype is None else y.astype(out_dtype)

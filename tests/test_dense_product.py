@@ -72,7 +72,7 @@ def test_the_scanned_train_step_keeps_no_second_copy_of_the_inputs(monkeypatch):
     return compile_train_step(s).memory_analysis().temp_size_in_bytes
 
   ours = temp_bytes()
-  monkeypatch.setattr(quant.matmul, 'dense_product', lambda x, kernel, n_in, out_dtype=None:
+  monkeypatch.setattr(quant.matmul, 'dense_product', lambda x, kernel, n_in, out_dtype=None, **_:
                       jax.lax.dot_general(x, kernel, dense_dims(x, n_in),
                                           preferred_element_type=out_dtype))
   assert ours <= temp_bytes()
