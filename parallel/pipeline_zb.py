@@ -36,7 +36,7 @@ from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
                                     embedding_grads, embeds_after, placed_vocabulary)
 from parallel.rules import without_axis
-from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
+from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, IDLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,10 +243,11 @@ class _Stages:
 
 class _StageLoop:
   """What one stage's tick reads (its weights, keys, microbatches, and the pullback's split into
-  per-microbatch and per-step residuals); its methods are the tick and its three actions. Each
-  action is a branch from the carry's entries it changes to their new values; where the stage
-  takes another action they pass through. (XLA wants a conditional's results placed alike in
-  both branches: hence the placements of the gradients' sums and the activations.)"""
+  per-microbatch and per-step residuals); its methods are the tick and its actions. Each action
+  is a branch of one switch, from the carry's entries an action changes (and what it reads) to
+  their new values and the slot's residuals; what an action does not change passes through. (XLA
+  wants a conditional's results placed alike in every branch: hence the placements of the
+  gradients' sums and the activations.)"""
 
   def __init__(self, stages: _Stages, me, leaves, trained, keys, valid, micro_rows,
                step_leaves=None):
@@ -275,35 +276,38 @@ class _StageLoop:
                         valid=self.valid)
     return jax.vjp(apply, trained, x)
 
-  def forward(self, c, m, held, first, kept, slot):
+  def forward(self, c, a):
     """F: the chunk on the microbatch's input (on the first stage, its embedding `first`); its
     residuals made for the tick to keep, its output sent on (from the last stage, to the head)."""
     x0 = self.x0
-    x = jax.lax.cond(self.first, lambda: stream(first.astype(x0.dtype)), lambda: stream(held))
-    y, pull = self.pullback(self.trained, x, *self.chunk_inputs(m))
-    c['made'] = [leaf.astype(a.dtype)
-                 for a, leaf in zip(self.residuals.item_shapes, self.residuals.per_item(pull))]
+    x = jax.lax.cond(self.first, lambda: stream(a['first'].astype(x0.dtype)),
+                     lambda: stream(a['held']))
+    y, pull = self.pullback(self.trained, x, *self.chunk_inputs(a['micro']))
+    c['made'] = [leaf.astype(k.dtype) for k, leaf in zip(a['kept'], self.residuals.per_item(pull))]
     c['forward_out'] = stream(y.astype(x0.dtype))
     return c
 
-  def no_forward(self, c, m, held, first, kept, slot):
-    """Another action's tick: the slot's residuals as they were, the output as it was."""
-    c['made'] = [k[0, slot] for k in kept]
-    return c
-
-  def input_grad(self, c, kept, dy, slot):
+  def input_grad(self, c, a):
     """B: the gradient of the chunk's input, sent back (from the first stage, to the
     embedding's gradient)."""
-    dx = self.residuals.pullback([k[0, slot] for k in kept])(dy)[1]
+    dx = self.residuals.pullback(self._slot(a))(a['dy'])[1]
     c['backward_out'] = stream(dx.astype(self.x0.dtype))
-    return c
+    return self.idle(c, a)
 
-  def weight_grad(self, c, kept, dy, slot):
+  def weight_grad(self, c, a):
     """W: the gradient of the chunk's weights, added to the stage's sums."""
-    d_weights = self.residuals.pullback([k[0, slot] for k in kept])(dy)[0]
+    d_weights = self.residuals.pullback(self._slot(a))(a['dy'])[0]
     c['grads'] = [place(g + d[None].astype(g.dtype))
                   for g, d, place in zip(c['grads'], d_weights, self.s.place_grads)]
-    return c
+    return self.idle(c, a)
+
+  def idle(self, c, a):
+    """No F: the slot's residuals kept as they are (and what the action did not change)."""
+    return dict(c, made=self._slot(a))
+
+  @staticmethod
+  def _slot(a) -> list:
+    return [k[0, a['slot']] for k in a['kept']]
 
   def tick(self, carry, row, first, head_dy, head_micro):
     """What arrived filed into its slot (on the last stage, the head's gradient), the stage's
@@ -316,24 +320,21 @@ class _StageLoop:
     carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
                        t['backward_arrives'])
     carry['dy'] = _put(carry['dy'], head_dy, head_micro % slots, self.last & (head_micro >= 0))
-    changes = lambda *keys: {k: carry[k] for k in keys}
-    # F's residuals are filed after its cond, not inside it: there XLA:GPU copies each whole
-    # slot store into the branch every tick (7b, 4 stages, 16 microbatches: 8.8 GiB; filed
-    # after B and W instead, 2.6 GiB of it stays).
-    made = jax.lax.cond(t['action'] == FORWARD, self.forward, self.no_forward,
-                        changes('forward_out'), t['micro'], carry['inputs'][slot], first,
-                        carry['kept'], slot)
-    carry['forward_out'] = made['forward_out']
-    carry['kept'] = [k.at[0, slot].set(leaf) for k, leaf in zip(carry['kept'], made['made'])]
-    # The slot's residuals are picked inside B and W: picked here, XLA copies the whole slot out
-    # to hand it to the cond (100m without remat: 0.59 GiB beside the slots).
-    dy = carry['dy'][slot]
-    carry.update(jax.lax.cond(
-        t['action'] == BACKWARD_INPUT, self.input_grad, lambda c, kept, dy, slot: c,
-        changes('backward_out'), carry['kept'], dy, slot))
-    carry.update(jax.lax.cond(
-        t['action'] == BACKWARD_WEIGHTS, self.weight_grad, lambda c, kept, dy, slot: c,
-        changes('grads'), carry['kept'], dy, slot))
+    # One switch over the stage's action (IDLE, F, B, W), which reads the slot stores whole
+    # (picking the slot outside it, XLA copies the slot out to hand it over: 100m without
+    # remat, 0.59 GiB) and returns the slot's residuals, filed after it: written inside a
+    # branch, XLA:GPU copies each whole store into the branch every tick (7b, 4 stages, 16
+    # microbatches: 8.8 GiB), and with a cond per action XLA:CPU or XLA:GPU copied a store
+    # where the next cond read it.
+    reads = dict(micro=t['micro'], held=carry['inputs'][slot], first=first, kept=carry['kept'],
+                 slot=slot, dy=carry['dy'][slot])
+    actions = {IDLE: self.idle, FORWARD: self.forward, BACKWARD_INPUT: self.input_grad,
+               BACKWARD_WEIGHTS: self.weight_grad}
+    changed = jax.lax.switch(
+        t['action'], [actions[code] for code in range(len(actions))],
+        {k: carry[k] for k in ('forward_out', 'backward_out', 'grads')}, reads)
+    carry['kept'] = [k.at[0, slot].set(leaf) for k, leaf in zip(carry['kept'], changed.pop('made'))]
+    carry.update(changed)
     # Every F's output one stage on, every B's one stage back (what no action made is sent too,
     # and not read: the tables say what arrives).
     stages = self.s.tables.stages
