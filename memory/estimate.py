@@ -174,7 +174,7 @@ class StepShape:
   def takes_layers(self, cfg: ModelConfig) -> bool:
     """A split of the layers other than their storage's blocks (given, or the default where the
     blocks would leave a chunk empty): each chunk's layers are taken out of the stored stack once
-    per step (a gather across stages)."""
+    per step (moved stage to stage: parallel/stage_layers.py)."""
     return self.stages > 1 and not self.layer_split(cfg).blocks
 
   def stage_params(self, cfg: ModelConfig) -> float:
@@ -1256,22 +1256,17 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stored_per_param = p if frozen is None else frozen.base_bytes / cfg.num_params
   whole_stage = (stage_layers * stored_per_param * gathered(cfg, shape) / shape.tensor
                  if shape.stage_whole else 0)
-  # parallel.pipeline_stage_layers other than the storage's blocks: on XLA:CPU gpipe and circular
-  # take the chunks' layers out of the stored stack whole over `fsdp`, and put their gradients
-  # back the same way (1b, 15 layers as 3,4,4,4 on 4 stages x 2-way ZeRO-3: +1.74 GiB against
-  # 4,4,4,3, two sets of the stage's fp32 layer weights at 1.81; the 1f1b schedules take them
-  # with their once-per-step gather, no more memory). XLA:GPU keeps them in their ZeRO-3 shards:
-  # the same step compiled for 8 H100s is 7.13 GiB as 3,4,4,4 and 7.35 GiB as 4,4,4,3 (below
-  # ZeRO-3, not measured: counted).
-  taken = (2 * stage_layers * p / shape.tensor
-           if shape.takes_layers(cfg) and not shape.backward_in_loop and not shape.stage_whole
-           and not (on_gpu(shape) and shape.sharded('params')) else 0)
-  # The 1F1B schedules hold the chunks' layers so taken (moved stage to stage) through their
-  # loop: a set of the stage's layer weights as stored, beside the stored ones (405b, 126 layers
-  # on 64 stages x tensor 2 x context 4, ZeRO-2, zb_h1, XLA:GPU, bench.buffers --target: the
-  # taken f32 [1, 2, 16384, 26624] stacks, 3.25 GiB each, at the peak).
-  if shape.takes_layers(cfg) and shape.backward_in_loop:
-    taken = stage_layers * p / shards(cfg, shape, 'params')
+  # parallel.pipeline_stage_layers other than the storage's blocks: the chunks' layers are moved
+  # stage to stage out of the stored stack (parallel/stage_layers.py). GPipe and circular hold no
+  # more for it (1b, 15 layers as 3,4,4,4 against 4,4,4,3 on 4 stages x 2-way fsdp, bench.buffers:
+  # XLA:CPU 5.85 against 5.85 GiB under ZeRO-3, 6.36 against 6.87 under ZeRO-2; XLA:GPU ZeRO-2
+  # 5.40 against 5.17, a quarter of the stage's weights, not counted). The 1F1B schedules hold
+  # the taken layers through their loop: a set of the stage's layer weights as run, beside the
+  # stored ones (405b, 126 layers on 64 stages x tensor 2 x context 4, ZeRO-2, zb_h1, XLA:GPU:
+  # the taken f32 [1, 2, 16384, 26624] stacks, 3.25 GiB each, at the peak). Under ZeRO-3 the
+  # taken shards only feed the gather before the loop, whose whole weights `loop_weights` counts.
+  taken = (stage_layers * p / shards(cfg, shape, 'params') if shape.takes_layers(cfg)
+           and shape.backward_in_loop and not shape.gathers_params else 0)
   # A pipeline stage runs a layer on one pipeline microbatch at a time. A frozen base has no
   # weight gradient, but may hold as much in other weight-shaped buffers (`weight_shaped`; without
   # them 7b and 20b LoRA on 8 H100s are 15 and 20 % under the compiled total).

@@ -17,8 +17,9 @@ The weights stay stored in model order on their [num_layers] axis, split over `s
 contiguous blocks of ceil(num_layers / stages) (the last blocks padded: parallel/padding.py), so
 checkpoints do not depend on the split. A split that is that storage's own blocks (even, or the
 last chunks shorter: `blocks`) is taken by a reshape; any other takes each chunk's layers out of it
-once per step and puts their gradients back (`take`, `put_back`) stage to stage: each stage sends
-its neighbours only the layers they run (`_regroup`). A gather there instead would be left to
+once per step and puts their gradients back (`take`, `put_back`) stage to stage: the stored
+blocks rotate a stage at a time and each slot keeps its layer as it passes (`_regroup`). A gather
+there instead would be left to
 XLA's partitioner, which gathers the whole stack onto every stage and all-reduces its whole
 gradient back: at 405b on 64 stages, 51 GiB per MLP weight on every device.
 """
@@ -105,7 +106,8 @@ class LayerSplit:
       return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])[:layers]
     P, blocks = self.stages, self._stored_depth
     index, valid = self.slots()
-    running = np.full(P * blocks, -1)   # each stored slot's layer's one running slot, as p R d + k
+    running = np.full(P * blocks, -1)   # each stored slot's layer's one running slot (a flat
+                                        # index into [stages, repeats, depth]), -1 for padding
     running[index[valid]] = np.flatnonzero(valid)
     source = divmod(running.reshape(P, blocks), valid[0].size)
     put = _regroup(a.reshape(P, -1, *a.shape[3:]), *source, present=running.reshape(P, -1) >= 0)
@@ -127,25 +129,44 @@ class LayerSplit:
 def _regroup(blocks: jax.Array, stage: np.ndarray, local: np.ndarray,
              present: np.ndarray | None = None) -> jax.Array:
   """[P, n, ...] (row p on stage p) -> [P, k, ...] with row p's slot i `blocks[stage[p, i],
-  local[p, i]]` (zeros where `present` is False), moved stage to stage: one rotation of the
-  stages (a collective permute) per distance a slot's source lies away, carrying only the
-  slots read from that distance. `stage`, `local`, `present`: [P, k], static."""
+  local[p, i]]` (zeros where `present` is False), moved a hop at a time: the stages' blocks
+  rotate one stage on (a collective permute) per iteration of a loop, and each slot takes its
+  layer on the hop it arrives, so a device holds the blocks in transit and its slots however far
+  a layer travels. (A rotation per distance, unrolled, kept every rotated copy alive: 80 layers on
+  64 stages, 47 layers' worth a device beside the 2 taken.) `stage`, `local`, `present`: [P, k],
+  static."""
   P, k = stage.shape
   present = np.ones((P, k), bool) if present is None else present
-  shift = np.where(present, stage - np.arange(P)[:, None], 0)
-  rows = lambda mask: mask.reshape(P, *(1,) * (blocks.ndim - 2))   # [P] -> broadcast over a slot
+  hops = np.where(present, np.arange(P)[:, None] - stage, 0)   # > 0: from a stage before
   slots = [jnp.zeros_like(blocks[:, 0]) for _ in range(k)]
-  for s in np.unique(shift[present]):
-    wanted = np.unique(local[present & (shift == s)])
-    moved = blocks[:, wanted]
-    if s:
-      moved = jnp.roll(moved, -int(s), axis=0)   # row p now holds stage p + s's
-    for i in range(k):
-      for w, j in enumerate(wanted):
-        mask = present[:, i] & (shift[:, i] == s) & (local[:, i] == j)
-        if mask.any():
-          slots[i] = jnp.where(rows(mask), moved[:, w], slots[i])
+  slots = _arrive(slots, blocks, jnp.asarray(present & (hops == 0)), local)
+  for direction in (1, -1):
+    far = int((direction * hops[present]).max(initial=0))
+    if far == 0:
+      continue
+    arrivals = jnp.asarray(np.stack([present & (hops == direction * h) for h in range(1, far + 1)]))
+
+    def hop(carry, arrive, direction=direction):
+      transit, slots = carry
+      transit = jnp.roll(transit, direction, axis=0)   # row p: the blocks of stage p - direction
+      return (transit, _arrive(slots, transit, arrive, local)), None
+
+    slots = jax.lax.scan(hop, (blocks, slots), arrivals)[0][1]
   return jnp.stack(slots, axis=1)
+
+
+def _arrive(slots: list, blocks: jax.Array, arrive: jax.Array, local: np.ndarray) -> list:
+  """`slots` (k arrays [P, ...]) with row p's slot i set to `blocks[p, local[p, i]]` where
+  `arrive[p, i]` (selects: each row picks its own block)."""
+  rows = lambda mask: mask.reshape(mask.shape[0], *(1,) * (blocks.ndim - 2))
+  out = []
+  for i, slot in enumerate(slots):
+    picked = blocks[:, 0]
+    for j in range(1, blocks.shape[1]):
+      if (local[:, i] == j).any():
+        picked = jnp.where(rows(jnp.asarray(local[:, i] == j)), blocks[:, j], picked)
+    out.append(jnp.where(rows(arrive[:, i]), picked, slot))
+  return out
 
 
 def _blocks(num_layers: int, chunks: int, depth: int) -> tuple[int, ...]:

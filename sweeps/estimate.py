@@ -16,7 +16,8 @@ and Adam (bf16_mixed), full remat, one sequence per device, one microbatch unles
 - GPT-2 shapes (LayerNorm, GELU MLP, biases, learned positions) at 100m and 1b on 8 devices;
 - precisions and 8-bit Adam at 1b (ZeRO-3, 8 devices), and the presets' own microbatches;
 - pipelines at 7b (4 stages x 2-way FSDP): every schedule (GPipe, circular, 1F1B, interleaved
-  1F1B, ZB-H1; the last three added after `bench/results/sweeps/estimate/` was recorded);
+  1F1B, ZB-H1; the last three added after `bench/results/sweeps/estimate/` was recorded), and
+  ZB-H1 with the layers split 7, 9, 9, 7 (taken stage to stage);
 - LoRA and QLoRA at 7b and 20b (8 devices, and QLoRA 20b on one);
 - long context: 7b at 16k and 32k tokens (ZeRO-3, 8 devices);
 - the default run (the small preset, fp32, no remat) on one device and under ZeRO-3 on 8;
@@ -93,6 +94,11 @@ def get_sweep(arg: str | None = None):
             'mesh.stage': 4, 'mesh.fsdp': 2, 'mesh.data': 1, 'parallel.zero_stage': 3,
             'parallel.pipeline_microbatches': 4, 'parallel.pipeline_schedule': schedule,
             'parallel.pipeline_repeats': repeats}}, config='configs/pipeline.py:7b')],
+      # A split other than the storage's blocks: the chunks' layers moved stage to stage.
+      *case('7b-zb_h1-7997', {'pipeline4': {
+          'mesh.stage': 4, 'mesh.fsdp': 2, 'mesh.data': 1, 'parallel.zero_stage': 3,
+          'parallel.pipeline_microbatches': 4, 'parallel.pipeline_schedule': 'zb_h1',
+          'parallel.pipeline_stage_layers': '7,9,9,7'}}, config='configs/pipeline.py:7b'),
       *case('7b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:7b'),
       *case('7b-qlora', {'zero3': LAYOUTS['zero3']}, config='configs/qlora.py:7b'),
       *case('20b-lora', {'zero3': LAYOUTS['zero3']}, config='configs/lora.py:20b'),

@@ -322,9 +322,9 @@ def test_1f1b_keeps_its_temporary_memory_flat_in_the_microbatches_where_gpipe_gr
 def test_a_split_other_than_the_blocks_moves_only_the_layers_it_runs_elsewhere(schedule):
   """6 layers on 4 stages are stored 2, 2, 2, 0 and run 1, 2, 2, 1: three layers move one stage
   on, and their gradients one stage back (collective permutes). Taken by a gather, XLA gathered
-  the whole stack onto every stage and all-reduced its whole gradient (405b on 64 stages: 207
-  GiB a device, 71 with the moves); so the step of 6 layers gathers and all-reduces no more
-  than that of 8, split evenly."""
+  the whole stack onto every stage and all-reduced its whole gradient (405b on 64 stages, ZB-H1
+  on XLA:GPU: 207 GiB a device, 86 with the moves); so the step of 6 layers gathers and
+  all-reduces no more than that of 8, split evenly."""
   even, uneven = (_compiled(schedule, 4, **{'model.num_layers': n})['collectives_per_step']
                   for n in (8, 6))
   for kind in ('all-gather', 'all-reduce'):
