@@ -76,6 +76,9 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
   """Returns the path of the written config. `stages`: pipeline stages may be chosen;
   `allow_pure_bf16`: so may recipes without an fp32 master (plan/search.py)."""
   from train.checks import follow_tokenizer
+  path = os.path.join(workdir, 'planned_config.py')
+  if os.path.exists(path):   # refused before minutes of compiles, not after
+    raise FileExistsError(f'{path} already exists; choose a new --workdir')
   config, _ = follow_tokenizer(config)
   print(f'plan        {config.name} on {target}: batch {config.train.batch_size} x '
         f'{config.train.seq_len} tokens per step')
@@ -104,7 +107,6 @@ def run_plan(config, target: Target, workdir: str, command: str, stages: bool = 
           f'| {compiled} |')
   tokens = config.train.batch_size * config.train.seq_len
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, 'planned_config.py')
   planned = apply(config, chosen.recipe, target.count)
   planned.name = f'planned:{config.name}@{target}'
   planned.host_devices = 0

@@ -146,6 +146,18 @@ def test_the_chosen_recipe_compiles_within_the_target(tmp_path, monkeypatch):
   assert os.path.basename(path) == 'planned_config.py'
 
 
+def test_a_workdir_with_a_plan_is_refused_before_anything_compiles(tmp_path, monkeypatch):
+  """The user's planned_config.py is never overwritten, and the refusal comes first, not after
+  the verifying compiles (minutes at 405b)."""
+  saved = tmp_path / 'planned_config.py'
+  saved.write_text('# a plan the user kept\n')
+  from plan import report
+  monkeypatch.setattr(report, 'compile_total', lambda *a: pytest.fail('compiled'))
+  with pytest.raises(FileExistsError, match='planned_config.py already exists'):
+    run_plan(default.get_config('small'), parse_target('2x0.05GB'), str(tmp_path), 'test')
+  assert saved.read_text() == '# a plan the user kept\n'
+
+
 @pytest.mark.parametrize('args, message', [
     (['--target=8xA100'], "unknown GPU 'A100'"),
     (['--target=16xH100-80GB', '--config=configs/fsdp.py:70b', '--config.train.batch_size=3',
