@@ -1,11 +1,11 @@
 """Planned on 2026-11-29 by
-  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan-s8b-405b-512xH100-80GB
+  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan-s8c-405b-512xH100-80GB
 
-bf16_master, Adam 32-bit, ZeRO-2, tensor 2, context 4 (ring), remat dots, 1 microbatch(es), 64 stages x 512 pipeline microbatches (zb_h1)
-on 512xH100-80GB: compiled 62.7 GB per device (estimate 62.0 GB; usable 72.0 GB), estimated 28.41 s per step, 73,823 tokens/s.
+bf16_mixed, Adam 32-bit, ZeRO-3, tensor 2, context 4 (ring), remat dots, 1 microbatch(es), 64 stages x 512 pipeline microbatches (zb_h1)
+on 512xH100-80GB: compiled 66.7 GB per device (estimate 71.7 GB; usable 72.0 GB), estimated 28.41 s per step, 73,824 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan-s8b-405b-512xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan-s8b-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-s8c-405b-512xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-s8c-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
 """
 import ml_collections
 
@@ -57,8 +57,8 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
               'pipeline_repeats': 1,
               'pipeline_schedule': 'zb_h1',
               'pipeline_stage_layers': '',
-              'zero_stage': 2},
- 'precision': 'bf16_master',
+              'zero_stage': 3},
+ 'precision': 'bf16_mixed',
  'quant': {'adam_bits': 32,
            'adam_block_size': 2048,
            'amax_history': 16,
