@@ -19,9 +19,8 @@ checkpoints do not depend on the split. A split that is that storage's own block
 last chunks shorter: `blocks`) is taken by a reshape; any other takes each chunk's layers out of it
 once per step and puts their gradients back (`take`, `put_back`) stage to stage: the stored
 blocks rotate a stage at a time and each slot keeps its layer as it passes (`_regroup`). A gather
-there instead would be left to
-XLA's partitioner, which gathers the whole stack onto every stage and all-reduces its whole
-gradient back: at 405b on 64 stages, 51 GiB per MLP weight on every device.
+there instead is left to XLA's partitioner, which gathers the whole stack onto every stage and
+all-reduces its whole gradient back: at 405b on 64 stages, 51 GiB per MLP weight on every device.
 """
 import dataclasses
 
@@ -148,7 +147,7 @@ def _regroup(blocks: jax.Array, stage: np.ndarray, local: np.ndarray,
 
     def hop(carry, arrive, direction=direction):
       transit, slots = carry
-      transit = jnp.roll(transit, direction, axis=0)   # row p: the blocks of stage p - direction
+      transit = jnp.roll(transit, direction, axis=0)   # hop h: row p holds stage p - direction h's
       return (transit, _arrive(slots, transit, arrive, local)), None
 
     slots = jax.lax.scan(hop, (blocks, slots), arrivals)[0][1]
