@@ -293,7 +293,6 @@ def test_the_optimizer_traffic_reads_the_moments_in_their_stored_dtype():
   assert optimizer_bytes('bf16_mixed', 8) == pytest.approx(3 * 4 + 2 * 2 * (1 + 4 / 2048), rel=1e-3)
 
 
-
 def test_replicated_gradients_are_all_reduced_every_microbatch_where_the_step_cannot_sum_them():
   """DDP and ZeRO-1 sum their microbatches' gradients per device and all-reduce once, except where
   cuDNN's attention runs on packed rows (train/checks.py:unbatchable_attention): then the planner
@@ -316,6 +315,7 @@ def test_replicated_gradients_are_all_reduced_every_microbatch_where_the_step_ca
   packed = evaluate(config, ddp, target).seconds['data_parallel_bytes']
   config.data.packing = False
   assert packed == pytest.approx(4 * evaluate(config, ddp, target).seconds['data_parallel_bytes'])
+
 
 def _fastest_fitting(preset: str, target_name: str, **overrides):
   from plan.search import host_fits

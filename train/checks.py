@@ -254,8 +254,8 @@ def pipelined_attention(config, spec: ModelSpec, *, schedule: PipelineSchedule |
     why = (f"with parallel.pipeline_schedule='zb_h1': JAX's cuDNN attention cannot be partitioned "
            f"inside that schedule's shard_map over the stages; use 'auto' or 'flash', or another "
            f"schedule" if manual else
-           f"with mesh.stage={schedule.stages} and data.packing=True: JAX's cuDNN attention cannot take "
-           f"packed rows' segment mask inside a pipeline (its batching over the stages does not "
+           f"with mesh.stage={schedule.stages} and data.packing=True: JAX's cuDNN attention cannot "
+           f"take packed rows' segment mask inside a pipeline (its batching over the stages does not "
            f"compile); use 'auto' or 'flash', or data.packing=False")
     raise ConfigError(f"model.attention='cudnn' {why}")
   return dataclasses.replace(spec, config=dataclasses.replace(spec.config, attention='flash'))
