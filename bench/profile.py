@@ -207,9 +207,9 @@ def main(argv):
     raise app.UsageError(f'--steps={_STEPS.value} --warmup={_WARMUP.value}; steps must be at '
                          f'least 2 and warmup at least 1')
   graphs_off = not _COMMAND_BUFFERS.value and without_command_buffers()
+  s = bench_setup(config)   # sets the simulated devices, which the cache's verdict reads
   # The loop below compiles the same step again: with the cache on (the default) it loads this one.
   compile_cache.enable(config.get('compile_cache', ''), off_because=compile_cache.unserved())
-  s = bench_setup(config)
   compiled = compile_train_step(s)
   described = describe_instructions(compiled.as_text())
   train = config.train

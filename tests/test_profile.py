@@ -11,9 +11,11 @@ from tests.test_run import ROOT
 
 
 def test_the_profile_splits_the_step_and_sees_the_feed(tmp_path):
-  """docs/speed.md's command, run once for the guide and this test."""
+  """docs/speed.md's command, run once for the guide and this test, over two simulated devices
+  (which must be set before the compilation cache asks how many there are)."""
   output = run_documented('docs/speed.md', 'python -m bench.profile --config=configs/default.py',
-                          tmp_path, 'bench.profile:--out=profile.json')
+                          tmp_path, 'bench.profile:--out=profile.json',
+                          'bench.profile:--config.host_devices=2')
   out = tmp_path / 'profile.json'
   profile = json.loads(out.read_text())
   assert profile['kinds_ms']['matmul'] > 0
