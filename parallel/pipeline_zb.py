@@ -5,8 +5,9 @@ W (its weights', which nothing waits for), W put off into the ticks where the st
 
 One compiled program, as the other schedules': a scan over the table's ticks. In each tick each
 stage takes its own action in a `shard_map` manual over `stage` only (`data`, `fsdp` and `tensor`
-stay the partitioner's, inside a stage as without a pipeline), as real branches (`lax.cond` on its
-row of the table; the other schedules' vmap over stages would compute every branch), then every
+stay the partitioner's, inside a stage as without a pipeline), as real branches (`when` of
+parallel/in_place.py on its row of the table: each action changes only its own state, in place;
+the other schedules' vmap over stages would compute every branch), then every
 F's output moves one stage on and every B's one stage back (a ppermute each way). The embedding
 and the head run outside it, as 1F1B's do, with the vocabulary split over `stage`
 (parallel/rules.py): the embedding before the stages' actions where the first stage's F needs it,
@@ -35,8 +36,9 @@ from jax.sharding import PartitionSpec
 from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
                                     embedding_grads, embeds_after, placed_vocabulary)
+from parallel.in_place import when
 from parallel.rules import without_axis
-from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD, IDLE
+from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +129,17 @@ class _Ends:
     at the next tick, for its B (`head_micro`: m, or -1 where none left)."""
     y = carry['staged']['forward_out'][-1]
 
-    def run(loss, tail_grads):
+    def run(sums):
+      loss, tail_grads, _ = sums
       tail_of = lambda w, y: self.tail(self.tail_weights.with_trained(w), y, self.micro_targets[m],
                                        m)
       loss_now, tail_vjp = jax.vjp(tail_of, self.tail_weights.trained(), y)
       d_tail, d_y = tail_vjp(self.seed)
       return (loss + loss_now, _added(tail_grads, d_tail, True, self.place_grads[2]),
               stream(d_y.astype(y.dtype)))
-    carry['loss'], carry['tail_grads'], carry['head_dy'] = jax.lax.cond(
-        leaving, run, lambda loss, grads: (loss, grads, stream(jnp.zeros_like(y))),
-        carry['loss'], carry['tail_grads'])
+    # Where none left, `head_dy` keeps the last one's: `head_micro` -1 says it is not to be read.
+    carry['loss'], carry['tail_grads'], carry['head_dy'] = when(
+        leaving, run, (carry['loss'], carry['tail_grads'], carry['head_dy']))
     carry['head_micro'] = jnp.where(leaving, m, -1)
     return carry
 
@@ -153,10 +156,10 @@ class _Ends:
       return carry
     shape = self.first_shape()
     embed_vjp = lambda: jax.vjp(self.embed_of(m), self.embed_weights.trained())[1]
-    carry['embed_grads'] = jax.lax.cond(
+    carry['embed_grads'] = when(
         made, lambda g: _added(g, embed_vjp()(dx.astype(shape.dtype))[0], True,
                                self.place_grads[1]),
-        lambda g: g, carry['embed_grads'])
+        carry['embed_grads'])
     return carry
 
   def first_carry(self, staged) -> dict:
@@ -244,9 +247,9 @@ class _Stages:
 class _StageLoop:
   """What one stage's tick reads (its weights, keys, microbatches, and the pullback's split into
   per-microbatch and per-step residuals); its methods are the tick and its actions. Each action
-  is a branch of one switch, from the carry's entries an action changes (and what it reads) to
-  their new values and the slot's residuals; what an action does not change passes through. (XLA
-  wants a conditional's results placed alike in every branch: hence the placements of the
+  runs where the stage's row says so (`when`), from the state it changes (F: the slot stores and
+  its output; B: its output; W: the gradients' sums) and what it reads to that state's new value.
+  (XLA wants a conditional's results placed alike in both branches: hence the placements of the
   gradients' sums and the activations.)"""
 
   def __init__(self, stages: _Stages, me, leaves, trained, keys, valid, micro_rows,
@@ -276,38 +279,33 @@ class _StageLoop:
                         valid=self.valid)
     return jax.vjp(apply, trained, x)
 
-  def forward(self, c, a):
+  def forward(self, kept, a):
     """F: the chunk on the microbatch's input (on the first stage, its embedding `first`); its
-    residuals made for the tick to keep, its output sent on (from the last stage, to the head)."""
+    residuals filed in the slot stores `kept`, its output sent on (from the last stage, to the
+    head)."""
     x0 = self.x0
     x = jax.lax.cond(self.first, lambda: stream(a['first'].astype(x0.dtype)),
                      lambda: stream(a['held']))
     y, pull = self.pullback(self.trained, x, *self.chunk_inputs(a['micro']))
-    c['made'] = [leaf.astype(k.dtype) for k, leaf in zip(a['kept'], self.residuals.per_item(pull))]
-    c['forward_out'] = stream(y.astype(x0.dtype))
-    return c
+    made = self.residuals.per_item(pull)
+    return ([k.at[0, a['slot']].set(leaf.astype(k.dtype)) for k, leaf in zip(kept, made)],
+            stream(y.astype(x0.dtype)))
 
-  def input_grad(self, c, a):
+  def input_grad(self, kept, a):
     """B: the gradient of the chunk's input, sent back (from the first stage, to the
     embedding's gradient)."""
-    dx = self.residuals.pullback(self._slot(a))(a['dy'])[1]
-    c['backward_out'] = stream(dx.astype(self.x0.dtype))
-    return self.idle(c, a)
+    dx = self.residuals.pullback(self._slot(kept, a))(a['dy'])[1]
+    return stream(dx.astype(self.x0.dtype))
 
-  def weight_grad(self, c, a):
+  def weight_grad(self, grads, kept, a):
     """W: the gradient of the chunk's weights, added to the stage's sums."""
-    d_weights = self.residuals.pullback(self._slot(a))(a['dy'])[0]
-    c['grads'] = [place(g + d[None].astype(g.dtype))
-                  for g, d, place in zip(c['grads'], d_weights, self.s.place_grads)]
-    return self.idle(c, a)
-
-  def idle(self, c, a):
-    """No F: the slot's residuals kept as they are (and what the action did not change)."""
-    return dict(c, made=self._slot(a))
+    d_weights = self.residuals.pullback(self._slot(kept, a))(a['dy'])[0]
+    return [place(g + d[None].astype(g.dtype))
+            for g, d, place in zip(grads, d_weights, self.s.place_grads)]
 
   @staticmethod
-  def _slot(a) -> list:
-    return [k[0, a['slot']] for k in a['kept']]
+  def _slot(kept, a) -> list:
+    return [k[0, a['slot']] for k in kept]
 
   def tick(self, carry, row, first, head_dy, head_micro):
     """What arrived filed into its slot (on the last stage, the head's gradient), the stage's
@@ -320,21 +318,19 @@ class _StageLoop:
     carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
                        t['backward_arrives'])
     carry['dy'] = _put(carry['dy'], head_dy, head_micro % slots, self.last & (head_micro >= 0))
-    # One switch over the stage's action (IDLE, F, B, W), which reads the slot stores whole
-    # (picking the slot outside it, XLA copies the slot out to hand it over: 100m without
-    # remat, 0.59 GiB) and returns the slot's residuals, filed after it: written inside a
-    # branch, XLA:GPU copies each whole store into the branch every tick (7b, 4 stages, 16
-    # microbatches: 8.8 GiB), and with a cond per action XLA:CPU or XLA:GPU copied a store
-    # where the next cond read it.
-    reads = dict(micro=t['micro'], held=carry['inputs'][slot], first=first, kept=carry['kept'],
-                 slot=slot, dy=carry['dy'][slot])
-    actions = {IDLE: self.idle, FORWARD: self.forward, BACKWARD_INPUT: self.input_grad,
-               BACKWARD_WEIGHTS: self.weight_grad}
-    changed = jax.lax.switch(
-        t['action'], [actions[code] for code in range(len(actions))],
-        {k: carry[k] for k in ('forward_out', 'backward_out', 'grads')}, reads)
-    carry['kept'] = [k.at[0, slot].set(leaf) for k, leaf in zip(carry['kept'], changed.pop('made'))]
-    carry.update(changed)
+    reads = dict(micro=t['micro'], held=carry['inputs'][slot], first=first, slot=slot,
+                 dy=carry['dy'][slot])
+    action = t['action']
+    # Each action changes its own state in place (F the slot stores and its output, B its output,
+    # W the gradients' sums); a tick of another action leaves that state as it was.
+    carry['kept'], carry['forward_out'] = when(
+        action == FORWARD, lambda state, a: self.forward(state[0], a),
+        (carry['kept'], carry['forward_out']), reads)
+    carry['backward_out'] = when(action == BACKWARD_INPUT,
+                                  lambda out, kept, a: self.input_grad(kept, a),
+                                  carry['backward_out'], carry['kept'], reads)
+    carry['grads'] = when(action == BACKWARD_WEIGHTS, self.weight_grad, carry['grads'],
+                           carry['kept'], reads)
     # Every F's output one stage on, every B's one stage back (what no action made is sent too,
     # and not read: the tables say what arrives).
     stages = self.s.tables.stages
