@@ -1,13 +1,14 @@
 """A state changed where a predicate holds and left as it was elsewhere, in the form XLA keeps in
-place: the training step's skip of a non-finite update, and each action of ZB-H1's tick (the slot
-stores, the gradients' sums).
+place: each action of ZB-H1's tick (the slot stores, the gradients' sums).
 
 `lax.cond(p, change, keep)` is the plain spelling, and each compiler copies the state whole at
 every call for one of its two orders: XLA:GPU where the branch that hands the state back is the
-false one (7b ZeRO-3 on 8 H100s, the skipped step: 21.98 GiB per device against 16.36 in place),
-jax 0.10.2's XLA:CPU where it is the true one (0.12.0.1's keeps either). A switch on an integer
-whose first branch hands the state back is kept in place by both (tests/test_zero_bubble.py
-compiles a loop of such updates for each).
+false one, jax 0.10.2's XLA:CPU where it is the true one (0.12.0.1's keeps either). A switch on an
+integer whose first branch hands the state back is kept in place by both (tests/test_zero_bubble.py
+compiles a loop of such updates for each). Not the train step's skip of a non-finite update
+(train/step.py:updated_if_finite): there XLA:GPU keeps a whole new state beside the old in some
+layouts (the 1b GPU-estimate point of tests/test_target.py: 9.21 GB compiled, its estimate 27.5 %
+below), where an elementwise select fuses into the update.
 """
 import jax
 import jax.numpy as jnp

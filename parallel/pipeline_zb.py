@@ -7,8 +7,8 @@ One compiled program, as the other schedules': a scan over the table's ticks. In
 stage takes its own action in a `shard_map` manual over `stage` only (`data`, `fsdp` and `tensor`
 stay the partitioner's, inside a stage as without a pipeline), as real branches (`when` of
 parallel/in_place.py on its row of the table: each action changes only its own state, in place;
-the other schedules' vmap over stages would compute every branch), then every
-F's output moves one stage on and every B's one stage back (a ppermute each way). The embedding
+the other schedules' vmap over stages would compute every branch), then every F's output moves
+one stage on and every B's one stage back (a ppermute each way). The embedding
 and the head run outside it, as 1F1B's do, with the vocabulary split over `stage`
 (parallel/rules.py): the embedding before the stages' actions where the first stage's F needs it,
 the head, loss and loss gradient after them where the last stage's F made an output.
@@ -33,10 +33,10 @@ from flax import linen
 from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
+from parallel.in_place import when
 from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
                                     embedding_grads, embeds_after, placed_vocabulary)
-from parallel.in_place import when
 from parallel.rules import without_axis
 from parallel.zero_bubble import BACKWARD_INPUT, BACKWARD_WEIGHTS, FORWARD
 
@@ -322,7 +322,9 @@ class _StageLoop:
                  dy=carry['dy'][slot])
     action = t['action']
     # Each action changes its own state in place (F the slot stores and its output, B its output,
-    # W the gradients' sums); a tick of another action leaves that state as it was.
+    # W the gradients' sums); a tick of another action leaves that state as it was. One switch
+    # over the four actions copied the sums twice a tick and read each slot out and back on every
+    # tick but an F (7b, 4 stages: 3.0 and 2.6 GiB; XLA:CPU's step 1.24x this form's).
     carry['kept'], carry['forward_out'] = when(
         action == FORWARD, lambda state, a: self.forward(state[0], a),
         (carry['kept'], carry['forward_out']), reads)
