@@ -78,14 +78,15 @@ holds an fp32 copy of the probabilities, and recomputed bf16 values partly exist
 the mean of the bf16 and fp32 sizes: the measured working set of bf16 layers is 0.8x the fp32
 one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them and with
 XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers --target`; issue
-46): the update fused in place, ZeRO-1/2's new weights gathered whole, the head's table in the
-compute dtype, the logits' gradient and the tied head's in the compute dtype where the head's
-backward rounds it (models/loss.py), the lookup's gradient formed after the layers' backward,
-gradients not formed yet at the head's peak (`unformed_grads`), the head's weight-gradient point,
-two layers' weights in flight and the transposed gradient stacks under ZeRO-3, the saved stacks
-and the gradients once more under microbatches, a recomputed layer and tensor-parallel partial
-sums in the compute dtype, and cuDNN's segment-mask bias (`sweeps/estimate.py:gpu`: 65 of its 86
-points within 5 %; WORKSPACE.md says why the others are not).
+46): the update fused in place, ZeRO-1/2's new weights gathered a stack at a time once the update
+has spent the gradients, the head's table in the compute dtype, the logits' gradient and the tied
+head's in the compute dtype where the head's backward rounds it (models/loss.py), the lookup's
+gradient formed after the layers' backward, gradients not formed yet at the head's peak
+(`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
+transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
+microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, and cuDNN's
+segment-mask bias (`sweeps/estimate.py:gpu`: 72 of its 90 points within 5 %; WORKSPACE.md says why
+the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed
@@ -120,7 +121,6 @@ from precision.policy import Policy, get_policy
 FP32 = 4
 QUANTIZED_MIN_SIZE = 4096   # optim/adam8bit.py: smaller tensors keep fp32 moments
 UPDATE_SLICES = 16          # optim/adam8bit.py: a quantized moment is updated a sixteenth at a time
-SCHEDULER_SLOP = 0.95       # XLA:GPU's default xla_gpu_memory_limit_slop_factor, as a fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +144,6 @@ class StepShape:
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
   packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
-  # The bytes XLA:GPU schedules the step toward (parallel/target.py:scheduling_memory; 0: none).
-  scheduling_memory: int = 0
 
   @property
   def backward_in_loop(self) -> bool:
@@ -963,36 +961,20 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
 
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
-  update runs)."""
+  update runs; `gathered`: after it, ZeRO-1/2's new weights gathered on XLA:GPU)."""
   ways = shards(cfg, shape, 'optimizer')
-  # Under ZeRO-1/2 XLA:GPU gathers the new weights whole (below), not a layer at a time, where
-  # memory allows, whatever the moments' width (1b ZeRO-2, 8-bit Adam, 8 microbatches on 8
-  # H100s, bench.buffers --target: the fp32 stacks' all-gathers at the peak, 9.69 GiB compiled,
-  # -10.0 % without them).
-  gathered = ({'gathered': gathered_new_weights(cfg, policy, shape),
-               'one_at_a_time': gathered_one_at_a_time(cfg, policy, shape),
-               'new_shards': shape.stage_params(cfg) * policy.param_bytes / ways}
-              if on_gpu(shape) else {})
-  if shape.adam_bits == 32 and on_gpu(shape):
-    # XLA:GPU fuses the whole update (and the select that skips a non-finite step,
-    # train/step.py) into one elementwise pass per weight, in place: no buffer of its own (100m
-    # and 7b DDP on 8 H100s, bench.buffers --target: the peak is the backward's).
+  gathered = {'gathered': gathered_new_weights(cfg, policy, shape)} if on_gpu(shape) else {}
+  if on_gpu(shape):
+    # XLA:GPU fuses the whole update into one elementwise pass per weight inside the switch that
+    # skips a non-finite step (train/step.py), in place, 8-bit moments' codes too: no buffer of
+    # its own (100m DDP on 8 H100s with 32- and 8-bit Adam, bench.buffers --target: the peak is
+    # the backward's, the update's within it).
     return {'chain': 0, **gathered}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
     p = policy.param_bytes
     return {'chain': shape.stage_params(cfg) * (FP32 + (p if p < FP32 else 0)) / ways}
-  if on_gpu(shape):
-    # XLA:GPU lays both moments' codes out in the blocks' order whole before the update runs,
-    # beside the gradients (bench.buffers --target, 8 H100s: u8 copies of both moments at the
-    # update's peak, 100m DDP 0.19 GiB of 1.20 compiled, and with 48 layers 0.77 of 4.68; their
-    # shards under ZeRO-3, 1b [1024, 16, 2048]). The 8-bit update writes the new shards in place,
-    # where ZeRO-1/2's gathers read them (no fp32 shard set beside the gathers at that peak:
-    # +6.9 % with one counted). Not counted: at 1b DDP in one microbatch an fp32 copy
-    # of every layer stack's gradient, which XLA makes where the pipelined all-reduce peels the
-    # backward loop's last layer (compiled 18.04 GiB, -23 % without it), and not at 100m.
-    return {'chain': 2 * eight_bit_moment(cfg, shape)[0], **gathered, 'new_shards': 0}
   # One slice of the largest tensor at a time: its gradient, moments and update in fp32.
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
@@ -1000,49 +982,27 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
 
 
 def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """ZeRO-1/2 on XLA:GPU: the updated weights all-gathered whole into buffers of their own before
-  they are written (train/step.py:apply_updates writes a stacked weight a layer at a time, but
-  XLA:GPU gathers the whole stack first: 100m and 1b ZeRO-2 on 8 H100s, bench.buffers --target,
-  every stacked weight and the table as full fp32 all-gathers at the peak), while the gradients
-  are shards."""
-  if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
-    return 0
-  return shape.stage_params(cfg) * policy.param_bytes / shape.tensor
-
-
-def gathered_one_at_a_time(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """ZeRO-1/2 on XLA:GPU where the scheduler has no room to gather the new weights whole: one
-  stacked weight gathered at a time, the largest (an MLP matrix's stack) at the peak, beside the
-  MLP stacks' new shards twice, as computed and laid out for their gathers, which replace their
-  gradients (70b ZeRO-2 on 8 and 64 H100s, bench.buffers --target: a 70 GiB fp32 all-gather and
-  six fp32 MLP shards at the peak, 128.4 and 77.3 GiB of temp)."""
+  """ZeRO-1/2 on XLA:GPU, inside or after the update's switch (train/step.py), the gradients spent:
+  - ZeRO-2: the update hands back the new weights' shards, and each stacked weight is then
+    all-gathered whole into a buffer of its own, one at a time, before it is laid into the step's
+    output. The largest (an MLP matrix's stack) goes after the other MLP stacks, beside the new
+    shards still waiting, at most the attention's and the table's (1b and 70b on 8 H100s,
+    bench.buffers --target: a 1.0 GiB fp32 gather beside 0.13 GiB of shards, and a 70.0 GiB one
+    beside 5.87 GiB).
+  - ZeRO-1: the update writes the new weights a layer at a time into whole stacks of their own,
+    beside the largest stack's new moments, update and weights in optimizer shards, four of them
+    (7b on 8 and 64, 70b on 8 H100s: 25.1 GiB of new stacks, and four [32, 11008, 512] fp32
+    shards at 7b on 8)."""
   if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
     return 0
   layers = shape.stage_layers(cfg)
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
-  return largest + layers * cfg.mlp_params_per_layer * policy.param_bytes / shards(cfg, shape, 'optimizer')
-
-
-def scheduler_room(shape: StepShape, state: float) -> float | None:
-  """The temporary bytes XLA:GPU's scheduler keeps a step under (None: no limit known): what its
-  scheduling memory leaves beside the state (the step's donated arguments), times its slop factor
-  (`xla_gpu_memory_limit_slop_factor`, 95 %); none where the state alone is larger (70b ZeRO-2 on
-  8 H100s: XLA logs that the arguments exceed its limit, and gathers the new weights one at a
-  time)."""
-  if not on_gpu(shape) or not shape.scheduling_memory:
-    return None
-  return max(0.0, shape.scheduling_memory - state) * SCHEDULER_SLOP
-
-
-def transposed_gradient(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
-  """ZeRO-1 on XLA:GPU: when the backward pass ends, each whole stacked gradient is cut into the
-  optimizer's shards along its d_model dimension, which is not its first, so XLA transposes the
-  stack whole first, one at a time, beside all the gradients (7b and 70b ZeRO-1 on 8 H100s,
-  bench.buffers --target: an fp32 [d_model, layers, d_ff] copy of an MLP gradient at the peak,
-  5.4 and 70 GiB). ZeRO-2 reduce-scatters each layer's gradients inside the loop instead."""
-  if not on_gpu(shape) or not shape.sharded('optimizer') or shape.sharded('grads') or shape.fsdp == 1:
-    return 0
-  return shape.stage_layers(cfg) * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
+  ways = shards(cfg, shape, 'optimizer')
+  if not shape.sharded('grads'):
+    shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / shape.tensor / ways
+    return shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
+  waiting = (shape.stage_params(cfg) - layers * cfg.mlp_params_per_layer) * policy.param_bytes
+  return largest + waiting / ways
 
 
 def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
@@ -1337,8 +1297,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                  + circular_chunk_weights(cfg, policy, shape) + gpipe_scan_grads + whole_sums
                  + relaid_stage_weights(cfg, policy, shape)}
   # After the microbatch loop: no microbatch's own gradients any more (1b ZeRO-3, 4 microbatches).
-  reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']
-                     + (transposed_gradient(cfg, policy, shape) if frozen is None else 0)}
+  reduction_phase = {'activations': 0, 'temporaries': copies + vocab['reduction']}
   # Before the layers run backward: the saved stacks converted to fp32 beside their 16-bit selves
   # (XLA:CPU only), and the gradient reaching the last layer.
   converted = stack_convert_bytes(cfg, policy, shape)
@@ -1358,7 +1317,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
         cfg, policy, shape, frozen)
     backward = {'activations': loop['activations'], 'temporaries': common + loop['temporaries']}
   # The update holds the gradients and the update's buffers; the activations are gone by then.
-  # Where XLA:GPU gathers the new weights whole (ZeRO-1/2), the gradients are optimizer shards.
+  # Under ZeRO-1/2 XLA:GPU gathers the new weights once the update has spent the gradients.
   # An offloaded state passes through a GPU only here, a layer (or the other weights) at a time:
   # none of it is on the device at the backward's peak (1b bf16_master, remat dots, on one H200,
   # jax 0.11.2: allocator peak 25.70 GiB with it offloaded, the temp the same 23.40 GiB as
@@ -1366,17 +1325,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   streamed = (streamed_state_bytes(cfg, policy, shape)
               if shape.offload_optimizer and on_gpu(shape) else 0)
   update_phase = update['chain'] + streamed
-  if update.get('gathered'):
-    # The scheduler gathers the new weights whole where that fits beside the state, one at a time
-    # where nothing does, and as many as fit in between.
-    # The new shards, where the update forms them beside the gathers, replace the gradients.
-    beside = update['new_shards'] - grads
-    whole = update['gathered'] + beside
-    room = scheduler_room(shape, params + (0 if shape.offload_optimizer else optimizer))
-    if room is not None:
-      one = update['one_at_a_time'] + beside
-      whole = min(whole, max(one, room - grads))
-    update_phase += whole
+  if update.get('gathered'):   # after the update: the gradients are spent
+    update_phase += update['gathered'] - grads
   parts = {
       'params': params,
       'grads': grads,

@@ -7,7 +7,6 @@ is rented. What JAX runs eagerly (shapes, the batch's placeholders) stays on the
 plugin of the installed jax (requirements-gpu-compile.txt); no driver and no GPU are needed."""
 import importlib.metadata
 import os
-import re
 
 from parallel import xla_flags
 
@@ -15,13 +14,6 @@ REQUIREMENTS = 'requirements-gpu-compile.txt'
 # Nothing to autotune without a device: XLA's sharded autotuning would wait for peers that are
 # not there.
 DEVICELESS_FLAGS = (('xla_gpu_shard_autotuning', 'false'),)
-
-
-# XLA:GPU schedules a step (and rematerialises it) toward a memory size: the one it is told (on a
-# GPU, JAX tells it the allocator's limit) or else this share of the device's memory
-# (xla/service/gpu/gpu_hlo_schedule.cc, GetSchedulerMemoryLimit), as for a compile-only device.
-DESCRIBED_MEMORY_SHARE = 0.8
-_described_memory: dict = {}   # compile-only device -> its description's memory, bytes
 
 
 class TargetCompileError(RuntimeError):
@@ -95,19 +87,4 @@ def compile_devices(target_config: str, count: int, per_node: int) -> list:
       raise
     raise TargetCompileError(f'the CUDA plugin could not describe {count} GPUs: '
                              f'{str(e).splitlines()[0]}') from None
-  memory = re.search(r'device_memory_size:\s*(\d+)', target_config)
-  for device in described.devices:
-    _described_memory[device] = int(memory.group(1)) if memory else 0
   return list(described.devices)
-
-
-def scheduling_memory(device) -> int:
-  """The bytes XLA:GPU schedules a step for `device` toward (0: none, not a GPU): 80 % of a
-  compile-only device's described memory, the allocator's limit of a GPU that is here (this
-  process's own GPU: another host's has no statistics here)."""
-  if device in _described_memory:
-    return int(DESCRIBED_MEMORY_SHARE * _described_memory[device])
-  if device.platform != 'gpu':
-    return 0
-  import jax
-  return int((jax.local_devices()[0].memory_stats() or {}).get('bytes_limit', 0))

@@ -28,8 +28,7 @@ import ml_collections
 
 from memory.estimate import Frozen, StepShape, estimate, offloaded, streamed_state_bytes
 from plan.cost import MFU_ASSUMED, Recipe, step_seconds
-from parallel.target import DESCRIBED_MEMORY_SHARE
-from plan.target import Target, description
+from plan.target import Target
 from precision.policy import get_policy
 from train import checks
 
@@ -139,12 +138,6 @@ def recipes(config, target: Target, stages: bool = True) -> list[Recipe]:
   return found
 
 
-def scheduling_memory(target: Target) -> int:
-  """What XLA:GPU schedules toward when it compiles for the target without the device, as the
-  planner's verifying compile does (parallel/target.py)."""
-  return int(DESCRIBED_MEMORY_SHARE * description(target).memory_bytes)
-
-
 def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Candidate:
   """A recipe's estimated bytes (as `backend`'s compiler holds them) and step time."""
   cfg = checks.model_config(config)
@@ -159,8 +152,7 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,
                     repeats=recipe.repeats,
                     backend=backend, offload_optimizer=recipe.offload,
-                    packed=bool(config.data.packing),
-                    scheduling_memory=scheduling_memory(target) if backend == 'gpu' else 0)
+                    packed=bool(config.data.packing))
   cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)

@@ -98,8 +98,13 @@ def test_a_step_compiled_for_gpus_is_the_gpus_program():
   assert any(t.startswith('__cudnn$fmha')
              for t in re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
   assert report['estimate_bytes'] == report['estimate_gpu_bytes']
-  # A non-finite step is skipped by a select, not a cond whose branch copies the state (train/step.py).
-  assert ' conditional(' not in compiled.as_text()
+  # A non-finite step is skipped by one switch whose branch that keeps the state copies none of
+  # it (train/step.py, parallel/in_place.py).
+  text = compiled.as_text()
+  skips = re.findall(r' conditional\(.*branch_computations=\{%([\w.\-]+),', text)
+  assert len(skips) == 1, skips
+  kept = text[text.index(f'\n%{skips[0]} '):]
+  assert ' copy(' not in kept[:kept.index('\n}\n')]
   assert 0 < report['per_device_bytes']['total'] < 2**30
 
 
@@ -190,16 +195,6 @@ def test_delayed_fp8_multiplies_fp8_operands_on_gpus():
 
 
 @needs_plugin
-def test_compile_only_gpus_are_scheduled_toward_80_percent_of_their_described_memory():
-  """XLA:GPU's scheduling memory for a device it only has a description of (what the estimate
-  models: memory/estimate.py:scheduler_room); none for a CPU."""
-  import jax
-  devices = compile_devices(parse_target('2xH100-80GB'))
-  assert target_lib.scheduling_memory(devices[0]) == int(0.8 * DESCRIPTIONS['H100-80GB'].memory_bytes)
-  assert target_lib.scheduling_memory(jax.devices('cpu')[0]) == 0
-
-
-@needs_plugin
 def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
   workdir = tmp_path / 'w'
   result = main_py('--config=configs/fsdp.py:tiny', '--dry_run', '--target=16xH100-80GB',
@@ -273,10 +268,10 @@ def test_data_parallel_microbatches_of_packed_rows_compile_for_gpus_with_cudnn()
 @pytest.mark.parametrize('preset, layout', [
     # The update fused in place (no buffer of its own on XLA:GPU).
     ('100m', {'mesh.data': -1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0}),
-    # ZeRO-2: the new weights gathered whole before they are written.
+    # ZeRO-2: the new weights gathered one stack at a time after the update, the largest beside
+    # the shards still waiting (+27.5 % with all gathered at once, as beside a select).
     ('1b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 2}),
-    # ... and one stack at a time where the fp32 state leaves XLA's scheduler no room (+57 %
-    # with the whole gather).
+    # ... where that largest stack, 70 GiB, makes the step's peak (+13.2 %, as beside a select).
     ('70b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 2}),
     # ZeRO-1: a whole MLP gradient stack transposed before it is sliced (-5 % without it).
     ('7b', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': 1}),
@@ -288,7 +283,8 @@ def test_data_parallel_microbatches_of_packed_rows_compile_for_gpus_with_cudnn()
     # DDP in microbatches: the sum and one microbatch's gradients, no third set (+21.4 % with it).
     ('100m', {'mesh.data': -1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0, 'train.batch_size': 32,
               'train.microbatches': 4}),
-    # 8-bit Adam: both moments' codes laid out again for the update (-10.4 % without them).
+    # 8-bit Adam: the update in place, inside the skip's switch (+12.1 % with both moments' codes
+    # laid out again, as XLA:GPU does to feed a select).
     ('100m', {'mesh.data': -1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0, 'quant.adam_bits': 8}),
 ])
 def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):

@@ -147,16 +147,18 @@ def test_a_non_finite_gradient_leaves_every_piece_of_state_unchanged(precision):
       np.testing.assert_array_equal(a, b)
 
 
-def test_the_select_a_gpu_skips_with_keeps_the_old_state_bit_for_bit():
-  """Off the CPU a non-finite step is skipped by an elementwise select (train/step.py:
-  updated_if_finite): the old values come back exactly, whatever the new ones hold."""
-  from train.step import selected
+def test_a_skipped_update_hands_back_the_old_state_bit_for_bit():
+  """A non-finite step is skipped by parallel/in_place.py's `when` (train/step.py:
+  updated_if_finite): the old values come back exactly, a negative zero's sign too, whatever the
+  new ones hold."""
+  from parallel.in_place import when
   old = {'w': jnp.array([1.5, -0.0, 3.0], jnp.bfloat16), 'count': jnp.array(7, jnp.int32)}
   new = {'w': jnp.array([jnp.nan, jnp.inf, 2.0], jnp.bfloat16), 'count': jnp.array(8, jnp.int32)}
-  kept = selected(jnp.array(False), new, old)
+  step = jax.jit(lambda finite, state: when(finite, lambda _: new, state))
+  kept = step(jnp.array(False), old)
   for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(old)):
     np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
-  taken = selected(jnp.array(True), new, old)
+  taken = step(jnp.array(True), old)
   np.testing.assert_array_equal(np.asarray(taken['w'], np.float32), [np.nan, np.inf, 2.0])
   assert int(taken['count']) == 8
 

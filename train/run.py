@@ -22,7 +22,6 @@ from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
 from parallel.sharding import batch_sharding, process_feed, replicated
-from parallel.target import scheduling_memory
 from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import EvalSet, Evaluator
@@ -231,7 +230,6 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                    packed=bool(s.config.data.packing),
-                   scheduling_memory=scheduling_memory(s.mesh.devices.flat[0]),
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                        repeats=s.pipeline.repeats, schedule=s.pipeline.name,
