@@ -78,10 +78,10 @@ holds an fp32 copy of the probabilities, and recomputed bf16 values partly exist
 the mean of the bf16 and fp32 sizes: the measured working set of bf16 layers is 0.8x the fp32
 one). On a GPU those copies do not exist; `backend='gpu'` is the same model without them and with
 XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers --target`; issue
-46): the update fused in place, ZeRO-1/2's new weights gathered a stack at a time once the update
-has spent the gradients, the head's table in the compute dtype, the logits' gradient and the tied
-head's in the compute dtype where the head's backward rounds it (models/loss.py), the lookup's
-gradient formed after the layers' backward, gradients not formed yet at the head's peak
+46): the update fused in place, ZeRO-1/2's new weights formed whole (ZeRO-2's a stack at a time)
+once the update has spent the gradients, the head's table in the compute dtype, the logits' gradient
+and the tied head's in the compute dtype where the head's backward rounds it (models/loss.py), the
+lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
 (`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
 transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, and cuDNN's
@@ -89,10 +89,10 @@ segment-mask bias (`sweeps/estimate.py:gpu`: 72 of its 90 points within 5 %; WOR
 the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
-within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed
-scaling (-6 %); fp16 with loss scaling compiles 12-18 % above it (the overflow select keeps the old
-state, so the layer scans take their own copies of the stacked weights); 8-bit moments under
-tensor parallelism, whose blocks XLA reshards, up to 12 % above at 7B (fsdp_tp) and 35-45 % at
+within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
+(-6 %); fp16 with loss scaling compiled 12-18 % above it when the overflow skip was a select (it
+kept the old state, so the layer scans took their own copies of the stacked weights); 8-bit moments
+under tensor parallelism, whose blocks XLA reshards, up to 12 % above at 7B (fsdp_tp) and 35-45 % at
 tiny, state-dominated shapes. XLA's heap fragmentation is not modelled either: XLA:CPU's compiled
 temp was within 1 % of the largest live set in every compile examined; XLA:GPU's was up to 13 %
 above it at 64 and 512 devices (7b ZeRO-3 on 512 H100s: 3.64 GiB for a largest live set of 3.23).
@@ -961,15 +961,14 @@ def circular_chunk_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -
 
 def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str, float]:
   """The optimizer update's buffers besides the state and the gradients (`chain`: only while the
-  update runs; `gathered`: after it, ZeRO-1/2's new weights gathered on XLA:GPU)."""
+  update runs; `gathered`: ZeRO-1/2's new weights on XLA:GPU, once the gradients are spent)."""
   ways = shards(cfg, shape, 'optimizer')
-  gathered = {'gathered': gathered_new_weights(cfg, policy, shape)} if on_gpu(shape) else {}
   if on_gpu(shape):
     # XLA:GPU fuses the whole update into one elementwise pass per weight inside the switch that
     # skips a non-finite step (train/step.py), in place, 8-bit moments' codes too: no buffer of
     # its own (100m DDP on 8 H100s with 32- and 8-bit Adam, bench.buffers --target: the peak is
     # the backward's, the update's within it).
-    return {'chain': 0, **gathered}
+    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape)}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
@@ -996,11 +995,11 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
     return 0
   layers = shape.stage_layers(cfg)
-  largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
-  ways = shards(cfg, shape, 'optimizer')
+  ways = shards(cfg, shape, 'optimizer')   # the tensor split included
   if not shape.sharded('grads'):
-    shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / shape.tensor / ways
+    shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / ways
     return shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
+  largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
   waiting = (shape.stage_params(cfg) - layers * cfg.mlp_params_per_layer) * policy.param_bytes
   return largest + waiting / ways
 
@@ -1254,14 +1253,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stored = policy if frozen is None else dataclasses.replace(policy, param_dtype=policy.compute_dtype)
   copies = 0 if quantized else cpu_weight_copies(cfg, stored, shape)
   shard_copies = 0 if quantized else cpu_shard_copies(cfg, stored, shape)
-  # The update's copy of the moments' codes (`update_bytes`) is made before the microbatch loop
-  # where the gradients are replicated, and held through it (1b DDP, 8-bit Adam, 8 microbatches on
-  # 8 H100s, bench.buffers --target: both moments' codes, 2.30 GiB, at the head's backward;
-  # compiled 20.30 GiB, -13.6 % without them).
-  early_codes = (2 * eight_bit_moment(cfg, shape)[0] if on_gpu(shape) and shape.adam_bits == 8
-                 and shape.microbatches > 1 and frozen is None and not shape.scatters_grads
-                 else 0)
-  common = microbatch_grads + copies + pipeline_grads + whole_stage + taken + early_codes
+  common = microbatch_grads + copies + pipeline_grads + whole_stage + taken
   # Under ZeRO-3 XLA:GPU gathers the last layer's weights while the head's backward runs, twice:
   # for its recomputed forward and, pipelined into the backward loop, for its backward (1b ZeRO-3
   # on 8 and 512 H100s, bench.buffers --target: two to three layers' matrices in flight at the
@@ -1317,7 +1309,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
         cfg, policy, shape, frozen)
     backward = {'activations': loop['activations'], 'temporaries': common + loop['temporaries']}
   # The update holds the gradients and the update's buffers; the activations are gone by then.
-  # Under ZeRO-1/2 XLA:GPU gathers the new weights once the update has spent the gradients.
+  # Under ZeRO-1/2 XLA:GPU forms the new weights whole once the update has spent the gradients
+  # (`gathered_new_weights`).
   # An offloaded state passes through a GPU only here, a layer (or the other weights) at a time:
   # none of it is on the device at the backward's peak (1b bf16_master, remat dots, on one H200,
   # jax 0.11.2: allocator peak 25.70 GiB with it offloaded, the temp the same 23.40 GiB as
@@ -1325,7 +1318,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   streamed = (streamed_state_bytes(cfg, policy, shape)
               if shape.offload_optimizer and on_gpu(shape) else 0)
   update_phase = update['chain'] + streamed
-  if update.get('gathered'):   # after the update: the gradients are spent
+  if update.get('gathered'):   # the gradients are spent
     update_phase += update['gathered'] - grads
   parts = {
       'params': params,

@@ -85,7 +85,9 @@ def apply_updates(params, updates, layer_writes: dict | None = None):
   updated in shards: ZeRO-1/2) gets its new values one layer at a time: a layer's slice is updated,
   gathered to that layer's sharding and written into the weight's own buffer (donated, so in
   place) before the next. Gathered at once, the whole stack's new values would be a second,
-  full-size copy (XLA gathers a non-leading dimension into a buffer of its own layout)."""
+  full-size copy (XLA gathers a non-leading dimension into a buffer of its own layout). XLA:CPU
+  keeps to that; XLA:GPU still forms each new stack whole, one at a time under ZeRO-2, all of
+  them under ZeRO-1 (memory/estimate.py:gathered_new_weights)."""
   def one(path, p, u):
     per_layer = (layer_writes or {}).get(jax.tree_util.keystr(path))
     if per_layer is None:
@@ -105,8 +107,8 @@ def updated_if_finite(finite: jax.Array, update, state):
   XLA:CPU ZeRO-1/2's layer-by-layer writes are no longer made in place (bench.figures 67.6 ->
   81.0 MB for configs/zero1.py), and XLA:GPU gathers ZeRO-1/2's new weights whole (1b ZeRO-2 on 8
   H100s: 11.86 GB a device against 9.21) and lays 8-bit moments' codes out again (100m DDP: 1.284
-  against 1.114 GB). A `lax.cond` copies the new state out of its branch on XLA:GPU (7b ZeRO-3 on
-  8 H100s: 21.98 GiB against 16.36)."""
+  against 1.114 GB). A `lax.cond` copies the new state out of its branch on jax 0.10.2's XLA:GPU
+  (7b ZeRO-3 on 8 H100s: 21.98 GiB against 16.36)."""
   return when(finite, update, state)
 
 
