@@ -6,7 +6,9 @@ skipped with that reason."""
 import dataclasses
 import json
 import os
+import re
 
+import jax
 import pytest
 
 from configs.gpu_targets import DESCRIPTIONS, description_differences, parse_text_proto
@@ -337,9 +339,58 @@ def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memor
                           'mesh.data': 1, 'mesh.fsdp': 1, 'parallel.zero_stage': 0,
                           'model.remat': 'dots', 'train.batch_size': 4, 'train.seq_len': 64})
   s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
-  report = run.memory_report(s, run.compile_train_step(s))
+  compiled = run.compile_train_step(s)
+  report = run.memory_report(s, compiled)
   host, estimated_host = report['host_bytes'], report['estimate_host_bytes']
   # Host buffers are whole arrays that no scheduling choice moves: the model's count, to the byte
   # but for the step counts' scalars.
   assert abs(estimated_host['total'] - host['total']) <= 64, (host, estimated_host)
   assert report['estimate_bytes'].get('optimizer', 0) == 0
+  # Each layer's state comes over as a copy (a DMA transfer), not read from host memory by the
+  # update's kernels over the bus (train/offload.py:to_device).
+  stacked = {f'f32[{",".join(map(str, leaf.shape))}]' for leaf, is_stacked in zip(
+      jax.tree.leaves(s.layout.abstract['params']), jax.tree.leaves(s.layout.stacked))
+      if is_stacked}
+  read = [kernel for kernel, types in kernels_reading_host_memory(compiled.as_text()).items()
+          if any(t.split('{')[0] in stacked for t in types)]
+  assert stacked and not read, read
+
+
+def kernels_reading_host_memory(hlo: str) -> dict[str, list[str]]:
+  """The fusions of an XLA:GPU program that take operands in host memory (layout tag S(5)),
+  each with those operands' types. A kCustom fusion is a copy (a slice's DMA transfer), not a
+  kernel. Operands named `%tuple#i` (XLA of jax 0.11 and later) are the tuple's i-th element."""
+  types = {}
+  for name, rest in re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*)$', hlo, re.M):
+    depth = 0
+    for end, char in enumerate(rest):
+      depth += char in '([{'
+      depth -= char in ')]}'
+      if depth == 0 and char in ' )':
+        break
+    types[name] = rest[:end + 1] if rest.startswith('(') else rest.split(' ')[0]
+
+  def type_of(operand):
+    name, _, index = operand.partition('#')
+    if not index:
+      return types.get(name, '')
+    elements = re.sub(r'/\*index=\d+\*/', '', types.get(name, '')[1:-1])
+    parts, depth, current = [], 0, ''
+    for char in elements + ',':
+      if char == ',' and depth == 0:
+        parts.append(current.strip())
+        current = ''
+        continue
+      depth += char in '([{'
+      depth -= char in ')]}'
+      current += char
+    return parts[int(index)] if int(index) < len(parts) else ''
+
+  found = {}
+  for name, operands, kind in re.findall(
+      r'^\s*(?:ROOT )?%([\w.\-]+) = .*? fusion\((.*?)\), kind=(\w+)', hlo, re.M):
+    in_host = [type_of(o) for o in re.findall(r'%([\w.\-#]+)', operands)
+               if 'S(5)' in type_of(o)]
+    if kind != 'kCustom' and in_host:
+      found[name] = in_host
+  return found
