@@ -44,9 +44,9 @@ def to_device(tree):
   fusions took each layer's fp32 state as host operands). Behind an optimization barrier the move
   stays a copy of the slice, which XLA runs as a DMA transfer (on a stream of its own from jax
   0.11.2), and the layer's state is held on the device while it is updated (7b on one H100, jax
-  0.10.2: 2.24 GiB more, 29.13 GiB in all). A whole array (the embedding's state) is still read by the
-  kernels: XLA folds its move into them whatever its form. Not on XLA:CPU, whose host memory is
-  its device memory and whose program is kept."""
+  0.10.2: 2.24 GiB more, 29.13 GiB in all). A whole array (the embedding's state) is still read
+  by the kernels: XLA folds its move into them whatever its form. Not on XLA:CPU, whose host
+  memory is its device memory and whose program is kept."""
   moved = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
   return moved if compile_platform() == 'cpu' else jax.lax.optimization_barrier(moved)
 
