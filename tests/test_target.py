@@ -356,19 +356,61 @@ def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memor
   assert stacked and not read, read
 
 
+def test_the_host_memory_reader_finds_a_kernel_and_not_a_copy():
+  """kernels_reading_host_memory on written lines: an update's fusion taking a stack in host memory
+  through a tuple's element is found; a fusion that only slices it (a copy, also as an async
+  computation's root) and a fusion over device memory are not."""
+  hlo = """
+%fused_update (p0: f32[4,8], p1: s32[]) -> f32[8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %ds = f32[1,8]{1,0} dynamic-slice(%p0, %p1, %p1), dynamic_slice_sizes={1,8}
+  %b = f32[8]{0} bitcast(%ds)
+  ROOT %m = f32[8]{0} multiply(%b, %b)
+}
+
+%fused_slice (q0: f32[4,8], q1: s32[]) -> f32[1,8] {
+  %q0 = f32[4,8]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  ROOT %ds2 = f32[1,8]{1,0} dynamic-slice(%q0, %q1, %q1), dynamic_slice_sizes={1,8}
+}
+
+%async_computation (r0: f32[4,8], r1: s32[]) -> f32[1,8] {
+  %r0 = f32[4,8]{1,0:S(5)} parameter(0)
+  %r1 = s32[] parameter(1)
+  ROOT %copy_fusion = f32[1,8]{1,0} fusion(%r0, %r1), kind=kLoop, calls=%fused_slice
+}
+
+ENTRY %main (arg: (s32[], f32[4,8], f32[4,8])) -> f32[8] {
+  %arg_tuple.1 = (s32[], /*index=1*/f32[4,8]{1,0:S(5)}, f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg_tuple.1), index=0
+  %update = f32[8]{0} fusion(%arg_tuple.1#1, %i), kind=kLoop, calls=%fused_update
+  %on_device = f32[8]{0} fusion(%arg_tuple.1#2, %i), kind=kLoop, calls=%fused_update
+  ROOT %slice = f32[1,8]{1,0} fusion(%arg_tuple.1#1, %i), kind=kCustom, calls=%fused_slice
+}
+"""
+  assert kernels_reading_host_memory(hlo) == {'update': ['f32[4,8]{1,0:S(5)}']}
+
+
+# What a fusion that only moves data holds: XLA runs it as a copy (a DMA transfer of a slice),
+# where a fusion with any arithmetic in it is a kernel.
+_COPY_OPS = {'parameter', 'constant', 'bitcast', 'copy', 'tuple', 'get-tuple-element',
+             'dynamic-slice', 'dynamic-update-slice'}
+
+
 def kernels_reading_host_memory(hlo: str) -> dict[str, list[str]]:
-  """The fusions of an XLA:GPU program that take operands in host memory (layout tag S(5)),
-  each with those operands' types. A kCustom fusion is a copy (a slice's DMA transfer), not a
-  kernel. Operands named `%tuple#i` (XLA of jax 0.11 and later) are the tuple's i-th element."""
-  types = {}
-  for name, rest in re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (.*)$', hlo, re.M):
-    depth = 0
-    for end, char in enumerate(rest):
-      depth += char in '([{'
-      depth -= char in ')]}'
-      if depth == 0 and char in ' )':
-        break
-    types[name] = rest[:end + 1] if rest.startswith('(') else rest.split(' ')[0]
+  """The kernels of an XLA:GPU program that take operands in host memory (layout tag S(5)), each
+  with those operands' types: fusions that compute, not those that only slice (`_COPY_OPS`).
+  Operands named `%tuple#i` (XLA of jax 0.11 and later) are the tuple's i-th element."""
+  types, computations, current = {}, {}, None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%([\w.\-]+) ', line)
+    if header:
+      current = computations.setdefault(header.group(1), set())
+    instruction = re.match(r'^\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(', line)
+    if instruction and current is not None:
+      current.add(instruction.group(3))
+      types[instruction.group(1)] = instruction.group(2)
 
   def type_of(operand):
     name, _, index = operand.partition('#')
@@ -387,10 +429,11 @@ def kernels_reading_host_memory(hlo: str) -> dict[str, list[str]]:
     return parts[int(index)] if int(index) < len(parts) else ''
 
   found = {}
-  for name, operands, kind in re.findall(
-      r'^\s*(?:ROOT )?%([\w.\-]+) = .*? fusion\((.*?)\), kind=(\w+)', hlo, re.M):
+  for name, operands, called in re.findall(
+      r'^\s+(?:ROOT )?%([\w.\-]+) = .*? fusion\((.*?)\), kind=\w+, calls=%([\w.\-]+)', hlo,
+      re.M):
     in_host = [type_of(o) for o in re.findall(r'%([\w.\-#]+)', operands)
                if 'S(5)' in type_of(o)]
-    if kind != 'kCustom' and in_host:
+    if in_host and not computations.get(called, set()) <= _COPY_OPS:
       found[name] = in_host
   return found

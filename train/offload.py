@@ -38,16 +38,20 @@ _masked = lambda x: isinstance(x, optax.MaskedNode)
 
 
 def to_device(tree):
-  """`tree` brought to device memory. Left to itself, XLA:GPU fuses the move of a layer's slice
-  into the update that reads it: the update's kernels then read the state from host memory over
-  the bus, element by element, on the compute stream (before this barrier, the 1b step's Adam
-  fusions took each layer's fp32 state as host operands). Behind an optimization barrier the move
-  stays a copy of the slice, which XLA runs as a DMA transfer (on a stream of its own from jax
-  0.11.2), and the layer's state is held on the device while it is updated (7b on one H100, jax
-  0.10.2: 2.24 GiB more, 29.13 GiB in all). A whole array (the embedding's state) is still read
-  by the kernels: XLA folds its move into them whatever its form. Not on XLA:CPU, whose host
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def layer_to_device(tree):
+  """A layer's slice of the state brought to device memory as a copy. Left to itself, XLA:GPU
+  fuses the move of a slice into the update that reads it, whose kernels then read the state from
+  host memory across the bus (before this barrier, the 1b step's Adam fusions took every layer's
+  fp32 stacks as host operands: read from its GPU program, jax 0.10.2 to 0.12.0.1). Behind an
+  optimization barrier the move stays a copy of the slice, started asynchronously from jax 0.11.2,
+  and the layer's state is held on the device while it is updated (7b on one H100, jax 0.10.2:
+  2.24 GiB more, 29.13 GiB in all). The move of a whole array (the embedding's) is folded into its
+  kernels whatever its form, so the barrier is kept to the layers. Not on XLA:CPU, whose host
   memory is its device memory and whose program is kept."""
-  moved = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+  moved = to_device(tree)
   return moved if compile_platform() == 'cpu' else jax.lax.optimization_barrier(moved)
 
 
@@ -152,8 +156,8 @@ def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, fin
     memory (the scan's output, stacked there), as XLA streams offloaded activations."""
     layer, state = inputs
     stored = jax.tree_util.tree_map_with_path(in_place, stored, param_parts)
-    layer_state = to_device(jax.tree.map(lambda x, c: x if c is None else c, state, counts,
-                                         is_leaf=_masked))
+    layer_state = layer_to_device(jax.tree.map(lambda x, c: x if c is None else c, state, counts,
+                                               is_leaf=_masked))
     updates, new_state = tx.update(select(grads, STACKED, layer), layer_state,
                                    select(stored, STACKED, layer))
     new_state = to_host(jax.tree.map(keep, new_state, layer_state, is_leaf=_masked))
