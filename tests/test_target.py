@@ -356,6 +356,24 @@ def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memor
   assert stacked and not read, read
 
 
+@needs_plugin
+def test_a_frozen_base_in_host_memory_is_compiled_there_for_a_gpu(tmp_path):
+  """Compile-only devices list no memories, and a sharding over them drops its memory kind: the
+  LoRA base placed in host memory (parallel.offload_frozen), which the step hands back untouched,
+  was compiled in device memory, and creating the state counted it there. Placed over the
+  abstract mesh (train/state.py:in_host_memory) it is in host memory, where a GPU run keeps it."""
+  from train import run
+  config = tiny_config(**{'lora.rank': 2, 'precision': 'bf16_mixed',
+                          'parallel.offload_frozen': True, 'mesh.data': 1, 'mesh.fsdp': 1})
+  memory = run.dry_run(config, str(tmp_path), compile_devices(parse_target('1xH100-80GB')),
+                       target='1xH100-80GB')
+  frozen = memory['estimate_host_bytes']['frozen']
+  assert frozen > 0 and memory['host_bytes']['arguments'] == frozen
+  device = memory['per_device_bytes']['arguments']
+  assert device < frozen / 4, device   # the adapters, the step count and the loss scale
+  assert memory['init_bytes']['state'] < frozen / 4
+
+
 def test_the_host_memory_reader_finds_a_kernel_and_not_a_copy():
   """kernels_reading_host_memory on written lines: an update's fusion taking a stack in host memory
   through a tuple's element is found; a fusion that only slices it (a copy, also as an async

@@ -187,8 +187,9 @@ def host_memory_refusal(what: str, kinds: list[str] | None = None,
                         platform: str | None = None, device=None) -> str | None:
   """Why `what` (a config key asking for host memory) cannot run here, or None: the devices
   (`device`, default this process's first; or their memory `kinds` and `platform`) must offer
-  JAX's `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31). A compile-only device
-  (`--target`) lists no memories: the target's compiler places host memory itself."""
+  JAX's `pinned_host` memory kind (CPU and GPU do, with jax >= 0.4.31). A compile-only GPU
+  (`--target`) lists no memories: its host placements are written over the abstract mesh
+  (train/state.py:in_host_memory)."""
   if kinds is None:
     device = device or jax.devices()[0]
     kinds, platform = [m.kind for m in device.addressable_memories()], device.platform

@@ -476,6 +476,14 @@ def _initial_step_sizes(leaf: BaseLeaf, kernel: jax.Array, stored) -> jax.Array:
                  out_shardings=stored.sharding)(kernel)
 
 
+def _lowered_under_mesh(s: Setup, program, args):
+  """`program` lowered on `args` under the run's mesh, as the step is: on compile-only devices a
+  piece whose every placement is in host memory names no devices of its own (they are written
+  over the abstract mesh: train/state.py:in_host_memory)."""
+  with jax.set_mesh(s.mesh):
+    return program.lower(*args)
+
+
 def _peak(compiled) -> int:
   """A compiled creation piece's own peak on one device: what it returns to device memory and
   its temporaries."""
@@ -501,7 +509,8 @@ def creation_bytes(s: Setup, source: Source | None = None) -> dict:
     without = lambda tree: {k: v for k, v in tree.items() if k != 'opt_state'}
     rest = jax.jit(lambda: without(s.layout.init_fn()), out_shardings=without(s.layout.shardings))
     first_piece = _peak(rest.lower().compile())
-    largest = max(_peak(program.lower(*args).compile()) for program, args in pieces.programs())
+    largest = max(_peak(_lowered_under_mesh(s, program, args).compile())
+                  for program, args in pieces.programs())
     return {'peak': max(first_piece, state + largest), 'state': state,
             'first_piece': first_piece, 'largest_store': largest}
   spec, layout = s.spec, s.layout
@@ -517,7 +526,7 @@ def creation_bytes(s: Setup, source: Source | None = None) -> dict:
     store = storer(leaf, stored[leaf.path], shardings[leaf.path], spec.base_format)
     value = layer_of(leaf.source) if _stacked(leaf) else leaf.source
     args = (stored[leaf.path], value, np.int32(0)) if _stacked(leaf) else (value,)
-    temp = store.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = _lowered_under_mesh(s, store, args).compile().memory_analysis().temp_size_in_bytes
     largest_store = max(largest_store, int(temp) + device_bytes(value))
   peak = max(first_piece, state + largest_store)
   if where == 'params':

@@ -272,8 +272,18 @@ def optimizer_in_pieces(tx: optax.GradientTransformation, update_shapes: Shapes,
 
 
 def in_host_memory(shardings):
-  """The same placements in pinned host memory."""
-  return jax.tree.map(lambda s: s.with_memory_kind('pinned_host'), shardings)
+  """The same placements in pinned host memory. Compile-only devices (`--target`) list no
+  memories, and a sharding over them drops its memory kind without a word: a state placed so was
+  compiled in device memory wherever no transfer in the step moved it (a frozen LoRA base, which
+  the step hands back as it came), and the state's creation counted it there. Over them the
+  placement is written over the mesh's abstract mesh, which keeps it; what is lowered with such
+  shardings is lowered under the mesh (Setup.context, init_from.py:_lowered_under_mesh)."""
+  def in_host(sharding):
+    placed = sharding.with_memory_kind('pinned_host')
+    if placed.memory_kind is None:
+      return NamedSharding(sharding.mesh.abstract_mesh, sharding.spec, memory_kind='pinned_host')
+    return placed
+  return jax.tree.map(in_host, shardings)
 
 
 def stacked_layers(axes, params_sharding):
