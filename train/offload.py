@@ -30,7 +30,6 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.attention import compile_platform
 from parallel.padding import fit
 
 STACKED, REST, SHARED = 'stacked', 'rest', 'shared'   # a leaf's part (SHARED: the counts)
@@ -39,20 +38,6 @@ _masked = lambda x: isinstance(x, optax.MaskedNode)
 
 def to_device(tree):
   return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
-
-
-def layer_to_device(tree):
-  """A layer's slice of the state brought to device memory as a copy. Left to itself, XLA:GPU
-  fuses the move of a slice into the update that reads it, whose kernels then read the state from
-  host memory across the bus (before this barrier, the 1b step's Adam fusions took every layer's
-  fp32 stacks as host operands: read from its GPU program, jax 0.10.2 to 0.12.0.1). Behind an
-  optimization barrier the move stays a copy of the slice, started asynchronously from jax 0.11.2,
-  and the layer's state is held on the device while it is updated (7b on one H100, jax 0.10.2:
-  2.24 GiB more, 29.13 GiB in all). The move of a whole array (the embedding's) is folded into its
-  kernels whatever its form, so the barrier is kept to the layers. Not on XLA:CPU, whose host
-  memory is its device memory and whose program is kept."""
-  moved = to_device(tree)
-  return moved if compile_platform() == 'cpu' else jax.lax.optimization_barrier(moved)
 
 
 def to_host(tree):
@@ -109,14 +94,28 @@ class OffloadedOptimizer:
     return jax.lax.with_sharding_constraint(fit(x, shape), sharding)
 
 
+def _parts(plan: OffloadedOptimizer, tx, opt_state):
+  """(a tree like the parameters, a tree like `opt_state`): each leaf's part, STACKED or REST (and
+  SHARED for the optimizer's counts)."""
+  param_parts = jax.tree.map(lambda s: STACKED if s else REST, plan.stacked)
+  return param_parts, optax.tree_map_params(tx, lambda _, part: part, opt_state, param_parts,
+                                            transform_non_params=lambda _: SHARED,
+                                            is_leaf=_masked)
+
+
+def written_anew(plan: OffloadedOptimizer, tx, opt_state):
+  """A tree like `opt_state`, True where the update writes a leaf's new value into a buffer of
+  its own (the layer stacks, a layer at a time; train/donation.py says why the step must not
+  donate them)."""
+  return jax.tree.map(lambda part: part == STACKED, _parts(plan, tx, opt_state)[1])
+
+
 def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, finite):
   # The non-finite skip is a choice between new and old values as each is written, not a
   # lax.cond around the update: XLA copies a loop's carry that a conditional's operand feeds (at
   # 100m ZeRO-2 on 8 devices, the whole stacked optimizer state: +0.09 GiB per device).
   keep = lambda new, old: new if _masked(new) else jax.numpy.where(finite, new, old)
-  param_parts = jax.tree.map(lambda s: STACKED if s else REST, plan.stacked)
-  state_parts = optax.tree_map_params(tx, lambda _, part: part, opt_state, param_parts,
-                                      transform_non_params=lambda _: SHARED, is_leaf=_masked)
+  param_parts, state_parts = _parts(plan, tx, opt_state)
 
   def select(tree, part, layer=None):
     """The parameter-shaped `tree`'s leaves of `part`, as the optimizer takes them."""
@@ -156,8 +155,8 @@ def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, fin
     memory (the scan's output, stacked there), as XLA streams offloaded activations."""
     layer, state = inputs
     stored = jax.tree_util.tree_map_with_path(in_place, stored, param_parts)
-    layer_state = layer_to_device(jax.tree.map(lambda x, c: x if c is None else c, state, counts,
-                                               is_leaf=_masked))
+    layer_state = to_device(jax.tree.map(lambda x, c: x if c is None else c, state, counts,
+                                         is_leaf=_masked))
     updates, new_state = tx.update(select(grads, STACKED, layer), layer_state,
                                    select(stored, STACKED, layer))
     new_state = to_host(jax.tree.map(keep, new_state, layer_state, is_leaf=_masked))

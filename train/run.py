@@ -26,7 +26,8 @@ from train import checks, compile_cache, init_from, resume
 from train.checkpoint import Checkpointer, CheckpointError
 from train.validation import EvalSet, Evaluator
 from train.loop import is_main, train_loop
-from train.offload import OffloadedOptimizer
+from train.donation import HeldBack
+from train.offload import OffloadedOptimizer, written_anew
 from train.preemption import StopRequests
 from train.sample import generate
 from train.state import moment_block_axes, state_layout
@@ -106,8 +107,14 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
-  train_step = jax.jit(step_fn, in_shardings=(layout.shardings, tokens_sharding),
-                       out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
+  if offload and platform != 'cpu':
+    # XLA:CPU writes the new stacks in place (its host memory is its device memory).
+    held = jax.tree.map(lambda _: False, layout.abstract)
+    held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
+    train_step = HeldBack(step_fn, held, layout.shardings, tokens_sharding, replicated(mesh))
+  else:
+    train_step = jax.jit(step_fn, in_shardings=(layout.shardings, tokens_sharding),
+                         out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
                None if block_axes is None else _flat_paths(block_axes), schedule, feed)
 
