@@ -10,9 +10,11 @@
 # 1. versus: ours (1b, bf16_mixed, remat none, the layer scan unrolled) against the same model's
 #    PyTorch loop under torch.compile (bf16 autocast over fp32 weights, fused AdamW), one program
 #    at a time.
-# 2. profile: where our 1b step's time goes on the GPU, kernel by kernel (command buffers off).
-# 3. fp8 with current and with delayed scaling against bf16, remat dots (the GPU suite's shape).
-# 4. bf16_master with the optimizer in host memory against without.
+# 2. bf16_master with the optimizer in host memory against without, and the offloaded step's
+#    profile (its host transfers: the layer stacks no longer copied within host memory,
+#    train/donation.py).
+# 3. profile: where our 1b step's time goes on the GPU, kernel by kernel (command buffers off).
+# 4. fp8 with current and with delayed scaling against bf16, remat dots (the GPU suite's shape).
 # On a lent machine (Python 3.12, jax 0.11) the packages its image lacks travel as wheels in
 # .whl/ (WORKSPACE.md, "The GPU suite"): the device call carries `.whl`.
 set -u
@@ -78,6 +80,12 @@ cat "$OUT/device.txt"
 part versus 200 python3 -m bench.versus --shape=$SHAPE --precision=bf16_mixed \
   --programs=torch_compile,ours_step --ours=model.remat=none --ours=model.scan_unroll=$UNROLL \
   --steps=$STEPS --warmup=$WARMUP --rounds=2 --out="$OUT/versus.json"
+step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
+step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
+  --config.parallel.offload_optimizer=True
+part profile_offload 80 python3 -m bench.profile --config=$PRESET $ONE \
+  --config.precision=bf16_master --config.model.remat=dots --config.parallel.offload_optimizer=True \
+  --steps=2 --warmup=2 --noloop --out="$OUT/profile_offload.json"
 # The profile's step also leaves XLA's optimized program (the GPU's own, autotuned: what a compile
 # without the device cannot show, such as which products XLA merged) in $OUT/hlo; compiled anew
 # (the compile cache's key leaves the dump flags out, and a program it loads is not dumped).
@@ -89,9 +97,6 @@ step bf16_dots 60 --config.precision=bf16_mixed --config.model.remat=dots
 step fp8_dots 160 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
 step fp8_delayed_dots 90 --config.precision=bf16_mixed --config.model.remat=dots \
   --config.quant.mode=fp8 --config.quant.fp8_scaling=delayed
-step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
-step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
-  --config.parallel.offload_optimizer=True
 
 python3 - "$OUT" << 'EOF' | tee "$OUT/summary.md"
 """The issue's goals from what the parts wrote (a part not run leaves its row empty)."""
