@@ -84,8 +84,9 @@ step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
 step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
   --config.parallel.offload_optimizer=True
 part profile_offload 80 python3 -m bench.profile --config=$PRESET $ONE \
-  --config.precision=bf16_master --config.model.remat=dots --config.parallel.offload_optimizer=True \
-  --steps=2 --warmup=2 --noloop --out="$OUT/profile_offload.json"
+  --config.precision=bf16_master --config.model.remat=dots \
+  --config.parallel.offload_optimizer=True --steps=2 --warmup=2 --noloop \
+  --out="$OUT/profile_offload.json"
 # The profile's step also leaves XLA's optimized program (the GPU's own, autotuned: what a compile
 # without the device cannot show, such as which products XLA merged) in $OUT/hlo; compiled anew
 # (the compile cache's key leaves the dump flags out, and a program it loads is not dumped).

@@ -108,7 +108,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
   if offload and platform != 'cpu':
-    # XLA:CPU writes the new stacks in place (its host memory is its device memory).
+    # Off the CPU: XLA:CPU's programs, which every CPU figure is calibrated on, stay as they were.
     held = jax.tree.map(lambda _: False, layout.abstract)
     held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
     train_step = HeldBack(step_fn, held, layout.shardings, tokens_sharding, replicated(mesh))
