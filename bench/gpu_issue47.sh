@@ -83,10 +83,13 @@ part versus 200 python3 -m bench.versus --shape=$SHAPE --precision=bf16_mixed \
 step master_dots 60 --config.precision=bf16_master --config.model.remat=dots
 step master_offload_dots 90 --config.precision=bf16_master --config.model.remat=dots \
   --config.parallel.offload_optimizer=True
-part profile_offload 80 python3 -m bench.profile --config=$PRESET $ONE \
-  --config.precision=bf16_master --config.model.remat=dots \
-  --config.parallel.offload_optimizer=True --steps=2 --warmup=2 --noloop \
-  --out="$OUT/profile_offload.json"
+# Its optimized program comes back too (hlo_offload): the deviceless compile of this step placed
+# the offloaded state wrongly until this stop (WORKSPACE, "Host placements on compile-only GPUs").
+part profile_offload 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo_offload \
+--xla_dump_hlo_as_text --xla_dump_hlo_module_re=train_step" python3 -m bench.profile \
+  --config=$PRESET $ONE --config.precision=bf16_master --config.model.remat=dots \
+  --config.parallel.offload_optimizer=True --config.compile_cache= --steps=2 --warmup=2 \
+  --noloop --out="$OUT/profile_offload.json"
 # The profile's step also leaves XLA's optimized program (the GPU's own, autotuned: what a compile
 # without the device cannot show, such as which products XLA merged) in $OUT/hlo; compiled anew
 # (the compile cache's key leaves the dump flags out, and a program it loads is not dumped).
@@ -123,9 +126,9 @@ for goal, a, b in rows:
   print(f'| {goal} | {pair(a, b)} | {ratio(a, b)} |')
 EOF
 # The device tool brings back a handful of files: the summary, the device and one archive.
-find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' ! -name '*thunk_sequence.txt' \
-  -delete 2> /dev/null
-find "$OUT/hlo" -type d -empty -delete 2> /dev/null
+find "$OUT/hlo" "$OUT/hlo_offload" -type f ! -name '*after_optimizations.txt' \
+  ! -name '*thunk_sequence.txt' -delete 2> /dev/null
+find "$OUT/hlo" "$OUT/hlo_offload" -type d -empty -delete 2> /dev/null
 (cd "$OUT" && shopt -s nullglob && tar czf parts.tgz --remove-files ./*.json ./*.log \
-  $(ls -d hlo 2> /dev/null))
+  $(ls -d hlo hlo_offload 2> /dev/null))
 echo "done in $((SECONDS - START)) s"
