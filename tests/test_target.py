@@ -346,8 +346,8 @@ def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memor
   # but for the step counts' scalars.
   assert abs(estimated_host['total'] - host['total']) <= 64, (host, estimated_host)
   assert report['estimate_bytes'].get('optimizer', 0) == 0
-  # Each layer's state comes over as a copy (a DMA transfer), not read from host memory by the
-  # update's kernels over the bus (train/offload.py:to_device).
+  # Each layer's state comes over as a copy (by the program's text), not read from host memory by
+  # the update's kernels (compile-only devices dropped the placement: train/state.py).
   stacked = {f'f32[{",".join(map(str, leaf.shape))}]' for leaf, is_stacked in zip(
       jax.tree.leaves(s.layout.abstract['params']), jax.tree.leaves(s.layout.stacked))
       if is_stacked}

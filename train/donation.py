@@ -4,7 +4,8 @@ A donated argument's buffer becomes the step's output, so XLA writes a new value
 step builds the new value somewhere else first, it then copies it across: the offloaded
 optimizer's layer stacks (train/offload.py) are read a layer at a time from the old stacks and
 written into new ones in host memory, and with the old ones donated, XLA:GPU then copies every new
-stack into the old one's buffer (at 1b, 27 host-to-host copies, 10.88 GiB a step). Held back, the
+stack into the old one's buffer (at 1b, 27 copies within host memory, 10.88 GiB a step, in the
+program compiled without a device for one H200; not yet timed on one). Held back, the
 new stacks are the outputs themselves; host memory holds the old and the new stacks during the step
 either way. `HeldBack` is the jit with those leaves in an argument of their own, not donated, with
 the call, `lower` and the compiled step still taking the whole state.
@@ -47,8 +48,8 @@ class _Lowered:
   def __init__(self, lowered, split):
     self._lowered, self._split = lowered, split
 
-  def compile(self):
-    return _Compiled(self._lowered.compile(), self._split)
+  def compile(self, *args, **kwargs):   # compiler_options, as jax's (parallel/collectives.py)
+    return _Compiled(self._lowered.compile(*args, **kwargs), self._split)
 
   def __getattr__(self, name):
     return getattr(self._lowered, name)

@@ -107,8 +107,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
-  if offload and platform != 'cpu':
-    # Off the CPU: XLA:CPU's programs, which every CPU figure is calibrated on, stay as they were.
+  if offload and holds_back(platform):
     held = jax.tree.map(lambda _: False, layout.abstract)
     held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
     train_step = HeldBack(step_fn, held, layout.shardings, tokens_sharding, replicated(mesh))
@@ -117,6 +116,12 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                          out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
                None if block_axes is None else _flat_paths(block_axes), schedule, feed)
+
+
+def holds_back(platform: str) -> bool:
+  """Whether the step holds the offloaded optimizer's layer stacks back from donation
+  (train/donation.py): off the CPU, whose programs every CPU figure is calibrated on."""
+  return platform != 'cpu'
 
 
 def _keyed(tree) -> dict:

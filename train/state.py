@@ -276,8 +276,10 @@ def in_host_memory(shardings):
   memories, and a sharding over them drops its memory kind without a word: a state placed so was
   compiled in device memory wherever no transfer in the step moved it (a frozen LoRA base, which
   the step hands back as it came), and the state's creation counted it there. Over them the
-  placement is written over the mesh's abstract mesh, which keeps it; what is lowered with such
-  shardings is lowered under the mesh (Setup.context, init_from.py:_lowered_under_mesh)."""
+  placement is written over the mesh's abstract mesh, which keeps it. A program whose every
+  placement is such takes its devices from the mesh in context (the step's: Setup.context; the
+  creation's host-only pieces: init_from.py:_lowered_under_mesh); one with a device placement
+  beside them takes them from it."""
   def in_host(sharding):
     placed = sharding.with_memory_kind('pinned_host')
     if placed.memory_kind is None:
