@@ -206,6 +206,8 @@ def main(argv):
   compiled_target = target if _DRY_RUN.value else None
   added_flags = _init_jax(_CONFIG.value, plan_devices=target.count if _PLAN.value else None,
                           gpu_target=compiled_target is not None)
+  from train import imports
+  imports.flax_nnx()   # before anything imports it: without IPython's import
   from data import DataError
   from train import checks, run
   from parallel.peers import EXIT_LOST_PEER   # sysexits' EX_TEMPFAIL: start again

@@ -7,3 +7,6 @@
 
 The old names (`python -m train.evaluate`, `train.generate`, `train.export_hf`) still run these.
 """
+from train import imports
+
+imports.flax_nnx()   # before the program imports it: without IPython's import

@@ -11,7 +11,7 @@ from sweep.charts import draw
 from sweep.metrics import METRICS, PointFiles
 from sweep.runner import LOG_FILE, point_workdir, read_status
 from sweep.spec import Sweep, config_of
-from train.metrics import tensorboardx
+from train.imports import tensorboardx
 
 
 def rows(sweep: Sweep, directory: str) -> list[dict]:

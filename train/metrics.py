@@ -5,25 +5,11 @@ checkpoint) first cuts both back to the rows it will not log again: the steps be
 starts from. Steps after the checkpoint are trained again and logged again; keeping their old rows
 would give every such step twice.
 """
-import importlib
 import json
 import os
 import struct
-import sys
 
-
-def tensorboardx(module: str = 'tensorboardX'):
-  """tensorboardX (or one of its modules), imported without torch: where torch is installed,
-  tensorboardX imports it only to accept its tensors, 3 s of every run's start on this machine
-  (`python -X importtime -c "import train.run"`), and we log Python floats. Where torch is
-  already imported, it is left as it is."""
-  if 'torch' in sys.modules:
-    return importlib.import_module(module)
-  sys.modules['torch'] = None   # `import torch` raises ImportError, which tensorboardX allows
-  try:
-    return importlib.import_module(module)
-  finally:
-    del sys.modules['torch']
+from train.imports import tensorboardx
 
 
 class MetricsWriter:
