@@ -89,6 +89,12 @@ class LayoutRules:
     over microbatches and reduced once per step."""
     return self.grads == REPLICATED
 
+  @property
+  def gathers_new_weights(self) -> bool:
+    """Weights stored whole but updated in shards (ZeRO-1, ZeRO-2): each new weight is
+    all-gathered after the update."""
+    return self.params == REPLICATED and self.optimizer == SHARDED
+
 
 # The first ZeRO stage that shards each part of the train state (the table above). The one
 # statement of it: the layouts below, the memory estimate and the planner all read it.

@@ -82,3 +82,29 @@ def test_the_installed_xla_knows_every_default_flag():
                         env={**os.environ, 'XLA_FLAGS': flags, 'JAX_PLATFORMS': 'cpu'},
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
+
+
+COMBINE = 'xla_gpu_all_gather_combine_threshold_bytes'
+
+
+@pytest.mark.parametrize('platform', ['gpu', 'cuda'])
+def test_a_step_that_gathers_its_new_weights_compiles_them_uncombined_on_a_gpu(platform):
+  """ZeRO-1/2's post-update gathers alone, whether XLA_FLAGS holds nothing of the flag or the
+  training default that `apply` and the target's `prepare` wrote there."""
+  for flags in ('', xla_flags.merged('')[0]):
+    assert xla_flags.step_options(platform, True, {'XLA_FLAGS': flags}) == {COMBINE: '1'}
+
+
+@pytest.mark.parametrize('platform, gathers', [('cpu', True), ('tpu', True), ('gpu', False)])
+def test_no_step_option_off_the_gpu_or_where_no_new_weight_is_gathered(platform, gathers):
+  assert xla_flags.step_options(platform, gathers, {'XLA_FLAGS': ''}) == {}
+
+
+def test_a_combine_threshold_of_the_users_own_is_kept():
+  environ = {'XLA_FLAGS': xla_flags.merged(f'--{COMBINE}=1048576')[0]}
+  assert xla_flags.step_options('gpu', True, environ) == {}
+
+
+def test_only_zero_1_and_2_gather_their_new_weights():
+  from parallel.rules import ZERO_STAGES, layout_rules
+  assert [layout_rules(z).gathers_new_weights for z in ZERO_STAGES] == [False, True, True, False]

@@ -15,16 +15,19 @@ import jax
 
 class HeldBack:
   """`step_fn(state, batch)` jitted with the leaves of `state` where `held` (a tree like it, of
-  bools) is True passed undonated, and the rest donated."""
+  bools) is True passed undonated, and the rest donated; compiled with `compiler_options`
+  (jax.jit's)."""
 
-  def __init__(self, step_fn, held, state_shardings, batch_sharding, metrics_sharding):
+  def __init__(self, step_fn, held, state_shardings, batch_sharding, metrics_sharding,
+               compiler_options=None):
     self._held = jax.tree.leaves(held)
     self._treedef = jax.tree.structure(held)
 
     def train_step(held_leaves, donated_leaves, batch):   # the program's name, as unheld
       return step_fn(self._join(held_leaves, donated_leaves), batch)
     self._jitted = jax.jit(train_step, in_shardings=(*self._split(state_shardings), batch_sharding),
-                           out_shardings=(state_shardings, metrics_sharding), donate_argnums=1)
+                           out_shardings=(state_shardings, metrics_sharding), donate_argnums=1,
+                           compiler_options=compiler_options)
 
   def _split(self, state):
     leaves = self._treedef.flatten_up_to(state)

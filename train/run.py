@@ -18,6 +18,7 @@ from memory.compiled import compiled_memory_spaces, compiler_of, peak_device_mem
 from memory.estimate import Frozen, StepShape, estimate, offloaded
 from models.config import COMPUTE_FIELDS
 from optim.adamw import make_optimizer
+from parallel import xla_flags
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
@@ -107,13 +108,16 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
+  options = xla_flags.step_options(platform, rules.gathers_new_weights)
   if offload and holds_back(platform):
     held = jax.tree.map(lambda _: False, layout.abstract)
     held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
-    train_step = HeldBack(step_fn, held, layout.shardings, tokens_sharding, replicated(mesh))
+    train_step = HeldBack(step_fn, held, layout.shardings, tokens_sharding, replicated(mesh),
+                          compiler_options=options)
   else:
     train_step = jax.jit(step_fn, in_shardings=(layout.shardings, tokens_sharding),
-                         out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0)
+                         out_shardings=(layout.shardings, replicated(mesh)), donate_argnums=0,
+                         compiler_options=options)
   return Setup(config, spec, model, policy, mesh, rules, layout, train_step, tokens_sharding,
                None if block_axes is None else _flat_paths(block_axes), schedule, feed)
 
