@@ -399,14 +399,19 @@ def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
   100m's d_model 768 on 512 devices: 1024, 4/3 of every weight). XLA gathers such a weight at its
   padded size too, so the gathered weights of ZeRO-3 carry the same ratio (100m on 512 devices,
   bench/buffers.py: the MLP's weights gathered as [1024, 3072])."""
-  spec_of = lambda axes: logical_to_mesh_axes(axes, layout_rules(3).params)
   stored = values = 0
   for dims, axes in _param_tensors(cfg):
-    padded = [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(ZERO_AXES) else n
-              for n, part in zip(dims, tuple(spec_of(axes)) + (None,) * len(dims))]
-    stored += math.prod(padded)
+    stored += math.prod(_padded(dims, axes, fsdp))
     values += math.prod(dims)
   return stored / values
+
+
+def _padded(dims: tuple, axes: tuple, fsdp: int) -> list[int]:
+  """A parameter's dimensions as the ZeRO rules store them split `fsdp` ways: each that the ZeRO
+  axes split padded to the next multiple of `fsdp` (parallel/padding.py)."""
+  spec = tuple(logical_to_mesh_axes(axes, layout_rules(3).params)) + (None,) * len(dims)
+  return [-(-n // fsdp) * fsdp if set(mesh_axes(part)) & set(ZERO_AXES) else n
+          for n, part in zip(dims, spec)]
 
 
 def shards(cfg: ModelConfig, shape: StepShape, part: str) -> float:
@@ -999,9 +1004,30 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   if not shape.sharded('grads'):
     shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / ways
     return shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
+  if padding_ratio(cfg, shape.fsdp) > 1:
+    return padded_new_weights(cfg, policy, shape)
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
   waiting = (shape.stage_params(cfg) - layers * cfg.mlp_params_per_layer) * policy.param_bytes
   return largest + waiting / ways
+
+
+def padded_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-2 on XLA:GPU where `fsdp` does not divide d_model: a new weight gathered from padded
+  shards is larger than its old weight's buffer, so none lands there. The stacks whose d_model is
+  their last dimension (the MLP's down projection, the attention's output) leave the update's
+  switch whole, at their true size; the others are gathered at the padded size into the temp,
+  the three largest at once (100m on 512 and 1,024 H100s, 1b and 7b on 384, bench.buffers
+  --target: the two MLP input stacks and the tied table at 1b, an attention stack at 7b, beside
+  the down and output stacks: 4.60 of 4.61 GiB of temp at 1b, 20.52 of 20.58 at 7b; at 100m the
+  third, a 35 MiB attention stack, is not at the peak)."""
+  whole, gathered_padded = 0, []
+  for dims, axes in _param_tensors(cfg):
+    if axes[:1] == ('layers',) and axes[-1] == 'embed':
+      whole += math.prod(dims)
+    else:
+      gathered_padded.append(math.prod(_padded(dims, axes, shape.fsdp)))
+  values = whole + sum(sorted(gathered_padded)[-3:])
+  return values * policy.param_bytes / shape.tensor * shape.stage_layers(cfg) / cfg.num_layers
 
 
 def transposed_stacks(cfg: ModelConfig, policy: Policy, shape: StepShape,
