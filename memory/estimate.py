@@ -997,7 +997,7 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     beside the largest stack's new moments, update and weights in optimizer shards, four of them
     (7b on 8 and 64, 70b on 8 H100s: 25.1 GiB of new stacks, and four [32, 11008, 512] fp32
     shards at 7b on 8)."""
-  if not shape.sharded('optimizer') or shape.sharded('params') or shape.fsdp == 1:
+  if not layout_rules(shape.zero_stage).gathers_new_weights or shape.fsdp == 1:
     return 0
   layers = shape.stage_layers(cfg)
   ways = shards(cfg, shape, 'optimizer')   # the tensor split included
@@ -1019,7 +1019,9 @@ def padded_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> fl
   the three largest at once (100m on 512 and 1,024 H100s, 1b and 7b on 384, bench.buffers
   --target: the two MLP input stacks and the tied table at 1b, an attention stack at 7b, beside
   the down and output stacks: 4.60 of 4.61 GiB of temp at 1b, 20.52 of 20.58 at 7b; at 100m the
-  third, a 35 MiB attention stack, is not at the peak)."""
+  third, a 36 MiB attention stack, is not at the peak, nor at 1b on 24: +8.6 % there). "Whole"
+  takes the norm scales too (d_model is their only dimension). Measured at tensor 1, one stage,
+  with SwiGLU; a tensor or stage split is taken as dividing every leaf evenly (not read)."""
   whole, gathered_padded = 0, []
   for dims, axes in _param_tensors(cfg):
     if axes[:1] == ('layers',) and axes[-1] == 'embed':

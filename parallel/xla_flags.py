@@ -26,12 +26,13 @@ GPU_TRAINING_FLAGS = (
 )
 
 # ZeRO-1/2 store the weights whole and update them in shards: after the update each new weight is
-# all-gathered once, and XLA:GPU places a gathered stack alone in its donated old weight's buffer.
-# Combined with others (a 100m preset's 108 MiB stacks fit the 128 MiB threshold with the small
-# leaves), the combined gather's result goes to the temp, and the gather before it with it: 100m
-# ZeRO-2 on 64 H100s 0.613 -> 0.506 GiB a device. They run once a step, so not combining them costs
-# a collective's latency per weight; no layer's weights are gathered in the passes (ZeRO-3 gathers
-# them there, and its steps keep the combiner).
+# all-gathered once. Uncombined, XLA:GPU holds at most one gathered stack in the temp at a time (the
+# others go into their donated old weights' buffers, where the shards are not padded); combined
+# with others (a 100m preset's 108 MiB stacks fit the 128 MiB threshold with the small leaves), the
+# combined gather's result is in the temp, and at 64 devices the gather before it too: 100m ZeRO-2
+# on 64 H100s 0.613 -> 0.506 GiB a device. They run once a step, so not combining them costs a
+# collective's latency per weight; no layer's weights are gathered in the passes (ZeRO-3 gathers
+# them there, and its steps keep the combiner), nor, without context parallelism, anything else.
 UNCOMBINED_GATHERS = (('xla_gpu_all_gather_combine_threshold_bytes', '1'),)
 
 
@@ -106,11 +107,13 @@ def apply(platforms: str | None, environ=os.environ) -> list[str]:
 
 
 def step_options(platform: str, gathers_new_weights: bool, environ=os.environ) -> dict[str, str]:
-  """The XLA options the train step compiles with beyond XLA_FLAGS, on `platform` (a device's),
-  for a layout that all-gathers its new weights after the update (ZeRO-1/2: `LayoutRules.
-  gathers_new_weights`). None off the GPU; none that XLA_FLAGS sets to a value of the user's own
-  (one other than the training default that `apply` and the target's `prepare` write)."""
-  if platform not in ('gpu', 'cuda') or not gathers_new_weights:
+  """The XLA options the train step compiles with beyond XLA_FLAGS, on `platform` (a device's:
+  'gpu' for a GPU, compile-only ones included), for a step whose only all-gathers are its new
+  weights' after the update (ZeRO-1/2 over more than one ZeRO shard, without context parallelism:
+  train/run.py). None off the GPU; none that XLA_FLAGS sets to a value of the user's own (one
+  other than the training default that `apply` and the target's `prepare` write there; the
+  default itself, written by hand, is taken for theirs)."""
+  if platform != 'gpu' or not gathers_new_weights:
     return {}
   user = flag_values(environ.get('XLA_FLAGS', ''))
   defaults = dict(GPU_TRAINING_FLAGS)

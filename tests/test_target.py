@@ -316,6 +316,7 @@ def test_the_gpu_estimate_is_within_five_percent_of_xla_gpu(preset, layout):
   _assert_the_gpu_estimate_is_within_five_percent(preset, layout, 8)
 
 
+@needs_plugin
 def test_zero2s_new_weights_from_padded_shards_are_counted_on_gpus():
   """ZeRO-2 over 40 H100s, which do not divide d_model 768 (padded to 800): the new weights,
   gathered larger than their old buffers, are held in the temp, the stacks whose d_model is last

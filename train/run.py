@@ -108,7 +108,10 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
   tokens_sharding = batch_sharding(mesh, rules.activations)
   # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
   # when rows are packed.
-  options = xla_flags.step_options(platform, rules.gathers_new_weights)
+  # Only where the new weights are gathered (a ZeRO split) and nothing else is (context
+  # parallelism's keys and values keep their combiner).
+  options = xla_flags.step_options(
+      platform, rules.gathers_new_weights and mesh.shape['fsdp'] > 1 and mesh.shape['context'] == 1)
   if offload and holds_back(platform):
     held = jax.tree.map(lambda _: False, layout.abstract)
     held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
