@@ -87,12 +87,12 @@ def test_the_installed_xla_knows_every_default_flag():
 COMBINE = 'xla_gpu_all_gather_combine_threshold_bytes'
 
 
-@pytest.mark.parametrize('platform', ['gpu'])   # what jax's devices of a GPU report
-def test_a_step_that_gathers_its_new_weights_compiles_them_uncombined_on_a_gpu(platform):
-  """ZeRO-1/2's post-update gathers alone, whether XLA_FLAGS holds nothing of the flag or the
-  training default that `apply` and the target's `prepare` wrote there."""
+def test_a_step_that_gathers_its_new_weights_compiles_them_uncombined_on_a_gpu():
+  """ZeRO-1/2's post-update gathers alone on a GPU ('gpu': what jax's devices of one report),
+  whether XLA_FLAGS holds nothing of the flag or the training default that `apply` and the
+  target's `prepare` wrote there."""
   for flags in ('', xla_flags.merged('')[0]):
-    assert xla_flags.step_options(platform, True, {'XLA_FLAGS': flags}) == {COMBINE: '1'}
+    assert xla_flags.step_options('gpu', True, {'XLA_FLAGS': flags}) == {COMBINE: '1'}
 
 
 @pytest.mark.parametrize('platform, gathers', [('cpu', True), ('tpu', True), ('cuda', True),

@@ -105,13 +105,13 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
                             dropout_seed=config.train.seed if dropout else None,
                             stack=pipeline_stack(schedule, config, rules),
                             offload=offloaded_optimizer)
-  tokens_sharding = batch_sharding(mesh, rules.activations)
-  # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
-  # when rows are packed.
   # Only where the new weights are gathered (a ZeRO split) and nothing else is (context
   # parallelism's keys and values keep their combiner).
   options = xla_flags.step_options(
       platform, rules.gathers_new_weights and mesh.shape['fsdp'] > 1 and mesh.shape['context'] == 1)
+  tokens_sharding = batch_sharding(mesh, rules.activations)
+  # One sharding for every array of the batch (a pytree prefix): inputs, targets, and segments
+  # when rows are packed.
   if offload and holds_back(platform):
     held = jax.tree.map(lambda _: False, layout.abstract)
     held['opt_state'] = written_anew(offloaded_optimizer, tx, layout.abstract['opt_state'])
