@@ -2,8 +2,12 @@
 No JAX here: bench/versus.py's driver and its PyTorch workers import it without paying for JAX."""
 
 # The model and batch shapes bench/versus.py and bench/studies/pieces.py compare. `issue`: the
-# shape of issue 29's table; `small`: the default preset (configs/presets.py) at its training shape.
+# shape of issue 29's table; `small`: the default preset (configs/presets.py) at its training shape;
+# `tiny`: the tiny preset at its own, to see in seconds that every program runs (its times say
+# little: the step is a few milliseconds of work).
 SHAPES = {
+    'tiny': dict(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, mlp_dim=192, tie_embeddings=True, batch_size=8, seq_len=64),
     'issue': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4,
                   head_dim=64, mlp_dim=1024, tie_embeddings=False, batch_size=8, seq_len=256),
     'small': dict(vocab_size=256, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
