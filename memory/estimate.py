@@ -85,7 +85,7 @@ lookup's gradient formed after the layers' backward, gradients not formed yet at
 (`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
 transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, and cuDNN's
-segment-mask bias (`sweeps/estimate.py:gpu`: 72 of its 90 points within 5 %; WORKSPACE.md says why
+segment-mask bias (`sweeps/estimate.py:gpu`: 74 of its 90 points within 5 %; WORKSPACE.md says why
 the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
