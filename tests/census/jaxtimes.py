@@ -1,6 +1,6 @@
 """A pytest plugin (`-p jaxtimes`, with tests/census on PYTHONPATH): per test, the worker's CPU
-seconds and JAX's compile events, appended to $SUITE_CENSUS as sitecustomize.py does for the
-processes a test starts."""
+seconds, JAX's compile events, the test's start time and its worker, appended to $SUITE_CENSUS as
+sitecustomize.py does for the processes a test starts."""
 import collections
 import json
 import os
@@ -30,4 +30,6 @@ def pytest_runtest_protocol(item, nextitem):
   yield
   with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
     f.write(json.dumps({'kind': 'test', 'test': item.nodeid, 'cpu_s': _cpu() - cpu,
-                        'wall_s': time.time() - start, 'events_s': dict(_EVENTS)}) + '\n')
+                        'wall_s': time.time() - start, 'events_s': dict(_EVENTS),
+                        'start': start, 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main')})
+            + '\n')

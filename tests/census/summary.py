@@ -1,5 +1,6 @@
 """The census (sitecustomize.py, jaxtimes.py) per test file: the tests' own wall and CPU seconds
-and the processes they started, each with the seconds JAX spent tracing, lowering and compiling.
+and the processes they started, each with the seconds JAX spent tracing, lowering and compiling;
+then when each pytest worker ended, against the other.
 
   python tests/census/summary.py [/tmp/suite-census.jsonl]"""
 import collections
@@ -39,6 +40,21 @@ def main(path: str) -> None:
     own, started = totals(kinds['test']), totals(kinds['process'])
     print(f'{name[:42]:42} ' + ' '.join(f'{own[c]:6.0f}' for c in COLUMNS)
           + f' | {len(kinds["process"]):3d} ' + ' '.join(f'{started[c]:6.0f}' for c in COLUMNS))
+  _worker_ends([r for r in rows if r['kind'] == 'test' and 'start' in r])
+
+
+def _worker_ends(tests) -> None:
+  """When each worker ran its first and last test: a core idle at the end shows as an early end."""
+  if not tests:
+    return
+  first = min(r['start'] for r in tests)
+  print()
+  for worker in sorted({r['worker'] for r in tests}):
+    own = sorted((r for r in tests if r['worker'] == worker), key=lambda r: r['start'])
+    last = own[-1]
+    print(f'{worker}: {len(own)} tests, busy {sum(r["wall_s"] for r in own):.0f} s, ends at '
+          f'{last["start"] + last["wall_s"] - first:.0f} s after the first start (last: '
+          f'{last["test"]}, {last["wall_s"]:.1f} s)')
 
 
 if __name__ == '__main__':
