@@ -11,6 +11,25 @@ import pytest
 
 _EVENTS = collections.Counter()
 _LISTENING = []
+_COMPILES = []   # (the program's key, seconds) of each backend compile in this test
+
+
+def _record_compiles():
+  """Wraps JAX's backend compile so that each compile of this worker is keyed by its program
+  (the module's text, its devices and its options): what an in-process memo of executables
+  would have served is the seconds of the keys seen before in the same worker."""
+  import hashlib
+  from jax._src import compiler
+  compile_and_load = compiler.backend_compile_and_load
+
+  def keyed(backend, module, executable_devices, options, *args, **kwargs):
+    start = time.perf_counter()
+    out = compile_and_load(backend, module, executable_devices, options, *args, **kwargs)
+    key = hashlib.sha1(str(module).encode() + repr([d.id for d in executable_devices]).encode()
+                       + options.SerializeAsString()).hexdigest()
+    _COMPILES.append((key, time.perf_counter() - start))
+    return out
+  compiler.backend_compile_and_load = keyed
 
 
 def _cpu() -> float:
@@ -25,11 +44,14 @@ def pytest_runtest_protocol(item, nextitem):
     monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **_: _EVENTS.update({event: seconds}))
     _LISTENING.append(True)
+    _record_compiles()
   _EVENTS.clear()
+  _COMPILES.clear()
   cpu, start = _cpu(), time.time()
   yield
   with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
     f.write(json.dumps({'kind': 'test', 'test': item.nodeid, 'cpu_s': _cpu() - cpu,
                         'wall_s': time.time() - start, 'events_s': dict(_EVENTS),
-                        'start': start, 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main')})
+                        'start': start, 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main'),
+                        'compiles': list(_COMPILES)})
             + '\n')

@@ -1,6 +1,6 @@
 """The census (sitecustomize.py, jaxtimes.py) per test file: the tests' own wall and CPU seconds
 and the processes they started, each with the seconds JAX spent tracing, lowering and compiling;
-then when each pytest worker ended, against the other.
+then when each pytest worker ended, against the other, and what the workers compiled twice.
 
   python tests/census/summary.py [/tmp/suite-census.jsonl]"""
 import collections
@@ -41,6 +41,7 @@ def main(path: str) -> None:
     print(f'{name[:42]:42} ' + ' '.join(f'{own[c]:6.0f}' for c in COLUMNS)
           + f' | {len(kinds["process"]):3d} ' + ' '.join(f'{started[c]:6.0f}' for c in COLUMNS))
   _worker_ends([r for r in rows if r['kind'] == 'test' and 'start' in r])
+  _repeated_compiles([r for r in rows if r['kind'] == 'test' and 'compiles' in r])
 
 
 def _worker_ends(tests) -> None:
@@ -55,6 +56,26 @@ def _worker_ends(tests) -> None:
     print(f'{worker}: {len(own)} tests, busy {sum(r["wall_s"] for r in own):.0f} s, ends at '
           f'{last["start"] + last["wall_s"] - first:.0f} s after the first start (last: '
           f'{last["test"]}, {last["wall_s"]:.1f} s)')
+
+
+def _repeated_compiles(tests) -> None:
+  """The workers' compiles of a program they had compiled before (jaxtimes.py keys each by its
+  module, devices and options): what an in-process memo of executables would have saved, by file."""
+  if not tests:
+    return
+  seen, repeated, by_file = set(), [0, 0.0], collections.Counter()
+  total = sum(seconds for r in tests for _, seconds in r['compiles'])
+  for r in sorted(tests, key=lambda r: r['start']):
+    for key, seconds in r['compiles']:
+      if (r['worker'], key) in seen:
+        repeated[0] += 1
+        repeated[1] += seconds
+        by_file[r['test'].split('::')[0]] += seconds
+      seen.add((r['worker'], key))
+  print(f'\nthe workers compiled {sum(len(r["compiles"]) for r in tests)} programs in {total:.0f} s; '
+        f'{repeated[0]} of them ({repeated[1]:.0f} s) they had compiled before:')
+  for name, seconds in by_file.most_common(10):
+    print(f'  {name}: {seconds:.0f} s')
 
 
 if __name__ == '__main__':
