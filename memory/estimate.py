@@ -84,9 +84,9 @@ and the tied head's in the compute dtype where the head's backward rounds it (mo
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
 (`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
 transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
-microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, and cuDNN's
-segment-mask bias (`sweeps/estimate.py:gpu`: 74 of its 90 points within 5 %; WORKSPACE.md says why
-the others are not).
+microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
+segment-mask bias and no block of probabilities in its backward (`sweeps/estimate.py:gpu`: 77 of its
+90 points within 5 %; WORKSPACE.md says why the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
