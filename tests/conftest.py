@@ -6,7 +6,8 @@ reads from it, and a program that several runs compile alike (the tiny preset's 
 step, under many guides) is compiled once. A cached program is the compiled program itself, looked
 up by its HLO, options and devices: what a test computes does not depend on which run compiled it
 first. The cache serves what it serves a user (train/compile_cache.py:unserved): not the workers'
-own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several. Programs compile at
+own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several; a worker keeps
+those itself, in memory, for the tests after (tests/compile_memo.py). Programs compile at
 XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
@@ -22,12 +23,14 @@ os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
 from tests.helpers import QUICK_COMPILE  # noqa: E402  (imports jax, after the two above)
 from parallel import xla_flags  # noqa: E402
 from parallel.target import DEVICELESS_FLAGS  # noqa: E402
+from tests import compile_memo  # noqa: E402
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {QUICK_COMPILE}")
 # A step compiled here for GPUs that are not here is scheduled with the flags a run on the target
 # gets (what `--target` sets: parallel/target.py:prepare); XLA:CPU reads none of them.
 os.environ["XLA_FLAGS"] = xla_flags.merged(os.environ["XLA_FLAGS"],
                                            xla_flags.GPU_TRAINING_FLAGS + DEVICELESS_FLAGS)[0]
+compile_memo.install()   # a program compiled again in this process is the one compiled before
 
 
 def pytest_configure(config):

@@ -16,17 +16,17 @@ _COMPILES = []   # (the program's key, seconds) of each backend compile in this 
 
 def _record_compiles():
   """Wraps JAX's backend compile so that each compile of this worker is keyed by its program
-  (the module's text, its devices and its options): what an in-process memo of executables
-  would have served is the seconds of the keys seen before in the same worker."""
-  import hashlib
+  (tests/compile_memo.py:program_key): the seconds of the keys seen before in the same worker are
+  what the workers' memo serves. Run with SUITE_COMPILE_MEMO=0 to see them; with the memo on, its
+  hits are recorded too, at the seconds they took (none to speak of)."""
   from jax._src import compiler
+  from tests.compile_memo import program_key
   compile_and_load = compiler.backend_compile_and_load
 
   def keyed(backend, module, executable_devices, options, *args, **kwargs):
     start = time.perf_counter()
     out = compile_and_load(backend, module, executable_devices, options, *args, **kwargs)
-    key = hashlib.sha1(str(module).encode() + repr([d.id for d in executable_devices]).encode()
-                       + options.SerializeAsString()).hexdigest()
+    key = program_key(backend, module, executable_devices, options)[2].hex()
     _COMPILES.append((key, time.perf_counter() - start))
     return out
   compiler.backend_compile_and_load = keyed

@@ -60,7 +60,8 @@ def _worker_ends(tests) -> None:
 
 def _repeated_compiles(tests) -> None:
   """The workers' compiles of a program they had compiled before (jaxtimes.py keys each by its
-  module, devices and options): what an in-process memo of executables would have saved, by file."""
+  module, devices and options): what the workers' memo (tests/compile_memo.py) serves, by file,
+  in a census run with SUITE_COMPILE_MEMO=0."""
   if not tests:
     return
   seen, repeated, by_file = set(), [0, 0.0], collections.Counter()
