@@ -337,6 +337,7 @@ def _attention_backward(cfg: ModelConfig, policy: Policy, shape: StepShape) -> f
   c = FP32 if upcasts(policy, shape.backend) else policy.compute_bytes
   q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim / shape.tensor
   if resolve_attention(cfg.attention, policy.compute_dtype, shape.backend) == 'cudnn':
+    # dq, dk and dv; the output and its gradient; the log-sum-exp per head.
     return (q + 2 * kv) * c + 2 * q * c + heads * FP32
   block = (context_block(shape) if shape.context > 1
            else min(flash_block(shape.backend), shape.seq_len))
