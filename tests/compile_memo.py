@@ -3,9 +3,11 @@ again is handed the one compiled before: the workers run on 8 XLA:CPU devices, w
 persistent compilation cache does not serve (train/compile_cache.py:unserved), and many tests
 compile the same step (the tiny preset's, under one layout after another).
 
-A program is the same when its module's text (without the source locations, which differ from
-test to test and reach only the compiled program's metadata), its devices, its client and its
-compile options are: what the compiler is given, so what it would return. A kept executable is
+A program is the same when its module's text, its devices, its client and its compile options
+are: what the compiler is given, so what it would return. The text leaves out the locations (the
+tracing test's source lines and JAX's name scopes), which differ from test to test and reach only
+the compiled program's metadata: a test reading a kept program's `op_name`s reads those of the
+compile that made it. A kept executable is
 the compiler's own object, not a copy written and read back (which is what hangs on jaxlib
 0.10.2's XLA:CPU). Not kept: programs with host callbacks (they are bound to the Python functions
 of the compile that made them). `SUITE_COMPILE_MEMO=0` turns it off; on a jax whose compiler has no

@@ -26,7 +26,8 @@ def _record_compiles():
   def keyed(backend, module, executable_devices, options, *args, **kwargs):
     start = time.perf_counter()
     out = compile_and_load(backend, module, executable_devices, options, *args, **kwargs)
-    key = program_key(backend, module, executable_devices, options)[2].hex()
+    client, devices, digest = program_key(backend, module, executable_devices, options)
+    key = f'{client}:{",".join(map(str, devices))}:{digest.hex()}'
     _COMPILES.append((key, time.perf_counter() - start))
     return out
   compiler.backend_compile_and_load = keyed
