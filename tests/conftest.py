@@ -7,7 +7,8 @@ step, under many guides) is compiled once. A cached program is the compiled prog
 up by its HLO, options and devices: what a test computes does not depend on which run compiled it
 first. The cache serves what it serves a user (train/compile_cache.py:unserved): not the workers'
 own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several; a worker keeps
-those itself, in memory, for the tests after (tests/compile_memo.py). Programs compile at
+those itself, in memory, for the tests after (tests/compile_memo.py). XLA:GPU's kernels for the
+GPUs that are not here are kept in a file of each worker's own, removed when it ends. Programs compile at
 XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
