@@ -9,7 +9,7 @@ first. The cache serves what it serves a user (train/compile_cache.py:unserved):
 own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several; a worker keeps
 those itself, in memory, for the tests after (tests/compile_memo.py). XLA:GPU's kernels for the
 GPUs that are not here are kept in a file of each worker's own, removed when it ends. Programs compile at
-XLA's optimization level 0 (tests/helpers.py:QUICK_COMPILE says why).
+XLA's optimization level 0, the LLVM module unsplit (tests/helpers.py:QUICK_COMPILE says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
 """
@@ -40,10 +40,13 @@ compile_memo.install()   # a program compiled again in this process is the one c
 # XLA reads its flags once, when the first backend starts: the processes a test starts, which
 # inherit the environment, do not get this process's file (two writers would tear it).
 GPU_KERNEL_CACHE = os.path.join(tempfile.gettempdir(), f"lmlm-suite-gpu-kernels-{os.getpid()}.bin")
+# jaxlib 0.10 writes the cache only with the LLVM module's parallel compile on; XLA took that flag
+# out in 0.11, where an unknown flag stops the process.
+_KERNEL_CACHE_FLAGS = (("xla_gpu_kernel_cache_file", GPU_KERNEL_CACHE),) + (
+    (("xla_gpu_enable_llvm_module_compilation_parallelism", "true"),)
+    if jax.__version_info__ < (0, 11) else ())
 _children_flags = os.environ["XLA_FLAGS"]
-os.environ["XLA_FLAGS"] = xla_flags.merged(_children_flags, (
-    ("xla_gpu_kernel_cache_file", GPU_KERNEL_CACHE),
-    ("xla_gpu_enable_llvm_module_compilation_parallelism", "true")))[0]   # the cache needs it
+os.environ["XLA_FLAGS"] = xla_flags.merged(_children_flags, _KERNEL_CACHE_FLAGS)[0]
 jax.devices()
 os.environ["XLA_FLAGS"] = _children_flags
 
