@@ -12,18 +12,23 @@ from train.state import build_model
 
 
 # Compiling is half of the suite's time (JAX's compile events, summed over its processes), and
-# two XLA:CPU switches make a small program's compile quicker:
+# three XLA:CPU switches make a small program's compile quicker:
 # - level 0: LLVM's optimisation of the machine code, most of a compile, saves little when it runs
 #   (tests/test_train_step.py took 34.5 s instead of 57.0 s, `-n 2`, 2-core AVX2 machine);
 # - where the jaxlib still has them (0.10; XLA removed them in 0.11), the elemental emitters
 #   instead of the MLIR fusion emitters (the tiny fsdp step at level 0: 1.41 -> 0.56 s; the
-#   same file: 24.4 s).
+#   same file: 24.4 s);
+# - the LLVM module compiled whole, not split into 32 parts for as many threads: on 2 cores that
+#   two workers share, the split and its 32 compiles cost more than they run in parallel
+#   (tests/test_layouts.py and test_train_step.py, `-n 2`, jax 0.10.2: 68.4 and 69.8 s of CPU ->
+#   62.7 and 61.5; 137 s either way on 0.11.2; the same losses, memory figures and sample, bit
+#   for bit, from the tiny fsdp run).
 # The HLO, its fusion and its buffers are XLA's own either way (the buffers of a step differ by a
 # few hundred bytes of temporaries; figures compared byte for byte are compiled with a user's
 # flags, tests/test_figures.py); only the machine code is less tuned, so every tolerance (from the
 # format, not from a run) still holds.
 _LEGACY_EMITTERS = jax.__version_info__ < (0, 11)
-QUICK_COMPILE = ('--xla_backend_optimization_level=0'
+QUICK_COMPILE = ('--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1'
                  + (' --xla_cpu_use_fusion_emitters=false' if _LEGACY_EMITTERS else ''))
 
 
