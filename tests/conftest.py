@@ -8,8 +8,9 @@ up by its HLO, options and devices: what a test computes does not depend on whic
 first. The cache serves what it serves a user (train/compile_cache.py:unserved): not the workers'
 own programs, which run on 8 XLA:CPU devices, nor a `main.py` over several; a worker keeps
 those itself, in memory, for the tests after (tests/compile_memo.py). XLA:GPU's kernels for the
-GPUs that are not here are kept in a file of each worker's own, removed when it ends. Programs compile at
-XLA's optimization level 0, the LLVM module unsplit (tests/helpers.py:QUICK_COMPILE says why).
+GPUs that are not here are kept in a file of each worker's own, removed when it ends. Programs
+compile at XLA's optimization level 0, the LLVM module unsplit (tests/helpers.py:QUICK_COMPILE
+says why).
 
 The flags must be set before JAX initialises its backends, which is why they live here.
 """
