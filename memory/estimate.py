@@ -85,8 +85,9 @@ lookup's gradient formed after the layers' backward, gradients not formed yet at
 (`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
 transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
-segment-mask bias and no block of probabilities in its backward (`sweeps/estimate.py:gpu`: 77 of its
-90 points within 5 %; WORKSPACE.md says why the others are not).
+segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
+device has room for them (`sweeps/estimate.py:gpu`: 78 of its 90 points within 5 %; WORKSPACE.md
+says why the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
@@ -144,6 +145,8 @@ class StepShape:
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
   context: int = 1       # size of the mesh's context axis: shards of each sequence
   packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
+  device_memory: float = 0   # bytes of one device compiled for (0: not known): XLA:GPU's schedule
+                             # holds more where the device has room (`roomy_update_sets`)
 
   @property
   def backward_in_loop(self) -> bool:
@@ -984,7 +987,8 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
     # skips a non-finite step (train/step.py), in place, 8-bit moments' codes too: no buffer of
     # its own (100m DDP on 8 H100s with 32- and 8-bit Adam, bench.buffers --target: the peak is
     # the backward's, the update's within it).
-    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape)}
+    return {'chain': 0, 'gathered': gathered_new_weights(cfg, policy, shape),
+            'roomy': roomy_update_sets(cfg, policy, shape)}
   if shape.adam_bits == 32:
     # The update in fp32; weights and moments stored in 16 bits are also copied as they are
     # rewritten (XLA:CPU computes in fp32 and converts back).
@@ -994,6 +998,23 @@ def update_bytes(cfg: ModelConfig, policy: Policy, shape: StepShape) -> dict[str
   largest = max(n * FP32 / _moment_ways(n, ways, shape)
                 for n, ways in param_leaves(cfg, shape) if n >= QUANTIZED_MIN_SIZE)
   return {'chain': 4 * largest / UPDATE_SLICES}
+
+
+def roomy_update_sets(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-2 on XLA:GPU where the device has room: every stack's Adam step (one fused kernel of four
+  outputs each) runs before the layer loops that write the new weights, so two fp32 sets of the
+  optimizer's shards wait beside the gradients' (7b on 8 H100s or 8 A100-80GB, bench.buffers
+  --target: three such sets of every stack in a 9.23 GiB temp, 47 buffers). Where that order would
+  not fit, XLA:GPU's scheduler runs one stack at a time and the sets do not add up (7b on 8
+  A100-40GB: 6.40 GiB of temp; 70b on 8 H100s, where the new weights' gather is the peak; the same
+  70b program compiled for 1,000 GB devices holds all three sets, 95.99 GiB). `estimate` drops the
+  term where the total with it exceeds `shape.device_memory`. Read with fp32 weights updated in
+  place (bf16_mixed) and one stage; a master copy in the optimizer (bf16_master) or a pipeline's
+  stages were not read and are not counted."""
+  if (shape.zero_stage != 2 or shape.fsdp == 1 or shape.adam_bits != 32 or shape.stages > 1
+      or policy.master_bytes or policy.param_bytes != FP32):
+    return 0
+  return 2 * shape.stage_params(cfg) * FP32 / shards(cfg, shape, 'optimizer')
 
 
 def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -1357,8 +1378,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   streamed = (streamed_state_bytes(cfg, policy, shape)
               if shape.offload_optimizer and on_gpu(shape) else 0)
   update_phase = update['chain'] + streamed
-  if update.get('gathered'):   # the gradients are spent
-    update_phase += update['gathered'] - grads
+  spent = update['gathered'] - grads if update.get('gathered') else 0   # the gradients are spent
+  roomy = update.get('roomy', 0)
+  update_phase += max(spent, roomy)
   parts = {
       'params': params,
       'grads': grads,
@@ -1383,6 +1405,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     saved_on_host = activation_bytes(cfg, policy, shape)
     parts['activations'] = max(0, parts['activations'] - saved_on_host) + 2 * (
         saved_on_host / cfg.num_layers)
+  if roomy > spent and shape.device_memory and sum(parts.values()) > shape.device_memory:
+    # No room for the overlapping order: the scheduler's one stack at a time instead.
+    parts['update'] = max(0, update_phase - roomy + spent - sum(backward.values()))
   parts = {k: int(v) for k, v in parts.items()}
   parts['total'] = sum(parts.values())
   return parts

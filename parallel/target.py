@@ -7,6 +7,7 @@ is rented. What JAX runs eagerly (shapes, the batch's placeholders) stays on the
 plugin of the installed jax (requirements-gpu-compile.txt); no driver and no GPU are needed."""
 import importlib.metadata
 import os
+import re
 
 from parallel import xla_flags
 
@@ -17,6 +18,11 @@ REQUIREMENTS = 'requirements-gpu-compile.txt'
 # analysis are the same byte for byte (WORKSPACE, 2026-12-02).
 DEVICELESS_FLAGS = (('xla_gpu_shard_autotuning', 'false'),
                     ('xla_gpu_disable_gpuasm_optimizations', 'true'))
+
+
+# Each compile-only device's memory in bytes, as its description gives it (`device_memory`): the
+# devices themselves report none. Keyed by the device (kept alive here, as its topology keeps it).
+_MEMORY: dict = {}
 
 
 class TargetCompileError(RuntimeError):
@@ -90,4 +96,21 @@ def compile_devices(target_config: str, count: int, per_node: int) -> list:
       raise
     raise TargetCompileError(f'the CUDA plugin could not describe {count} GPUs: '
                              f'{str(e).splitlines()[0]}') from None
-  return list(described.devices)
+  devices = list(described.devices)
+  found = re.search(r'device_memory_size:\s*(\d+)', target_config)
+  for device in devices:
+    _MEMORY[device] = int(found.group(1)) if found else 0
+  return devices
+
+
+def device_memory(device) -> int:
+  """Bytes of memory of `device`, a GPU here or compile-only; 0 where it is not known (a CPU, a
+  description without it)."""
+  if device.platform != 'gpu':
+    return 0
+  if device in _MEMORY:
+    return _MEMORY[device]
+  try:
+    return int((device.memory_stats() or {}).get('bytes_limit', 0))
+  except Exception:   # noqa: BLE001 - jaxlib raises its own runtime errors where stats are missing
+    return 0

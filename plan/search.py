@@ -152,7 +152,7 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,
                     repeats=recipe.repeats,
                     backend=backend, offload_optimizer=recipe.offload,
-                    packed=bool(config.data.packing))
+                    packed=bool(config.data.packing), device_memory=target.memory)
   cfg = dataclasses.replace(cfg, remat=recipe.remat, context_attention=recipe.context_attention)
   frozen = _frozen(config, recipe.precision)
   host = offloaded(cfg, policy, dataclasses.replace(shape, backend='gpu'), frozen)

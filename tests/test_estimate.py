@@ -191,6 +191,30 @@ def _dry_run(tmp_path, config: str, devices: int, env: dict, overrides: dict) ->
     return json.load(f)
 
 
+def test_zero2s_roomy_update_order_is_counted_only_where_the_device_has_room():
+  """ZeRO-2 on XLA:GPU: the sets that every stack's Adam step leaves waiting before the layer
+  loops (memory/estimate.py:roomy_update_sets) are counted on a device with room for them or of
+  unknown size, and not where the total with them would exceed the device's memory (XLA:GPU then
+  orders the update one stack at a time: WORKSPACE, 2026-12-02, fourth session)."""
+  from configs import default
+  from memory.estimate import roomy_update_sets
+  cfg = ModelConfig.from_config(default.get_config('7b').model.to_dict())
+  policy = get_policy('bf16_mixed')
+  shape = StepShape(rows_per_device=1, seq_len=4096, fsdp=8, zero_stage=2, backend='gpu')
+  sets = roomy_update_sets(cfg, policy, shape)
+  assert sets == 2 * cfg.num_params * 4 / 8
+  unknown, roomy = (estimate(cfg, policy, dataclasses.replace(shape, device_memory=m))
+                    for m in (0, 1e15))
+  assert unknown == roomy
+  tight = estimate(cfg, policy, dataclasses.replace(shape, device_memory=roomy['total'] - 1))
+  assert tight['total'] < roomy['total'] and tight['update'] < roomy['update']
+  # A device that holds the order with its sets gets it; elsewhere the term is never negative.
+  assert estimate(cfg, policy, dataclasses.replace(shape, device_memory=roomy['total'])) == roomy
+  for other in (dict(zero_stage=3), dict(fsdp=1), dict(stages=2)):   # not ZeRO-2's update, or not read
+    assert roomy_update_sets(cfg, policy, dataclasses.replace(shape, **other)) == 0
+  assert roomy_update_sets(cfg, get_policy('bf16_master'), shape) == 0
+
+
 def test_gradients_not_formed_at_the_peak_are_a_part_of_their_own():
   """On one GPU the head's backward peaks before any gradient exists: the estimate takes them off
   as `unformed_grads`, a negative part the summary prints with a minus, so that every other part

@@ -18,7 +18,7 @@ from memory.compiled import compiled_memory_spaces, compiler_of, peak_device_mem
 from memory.estimate import Frozen, StepShape, estimate, offloaded
 from models.config import COMPUTE_FIELDS
 from optim.adamw import make_optimizer
-from parallel import xla_flags
+from parallel import target as target_lib, xla_flags
 from parallel.collectives import collective_stats
 from parallel.mesh import data_parallel_size, make_mesh
 from parallel.rules import ACTIVATIONS, DATA_PARALLEL_AXES, layout_rules
@@ -249,6 +249,8 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                    packed=bool(s.config.data.packing),
+                   device_memory=target_lib.device_memory(s.mesh.devices.flat[0])
+                   if (backend or s.platform) == s.platform else 0,
                    **({} if s.pipeline is None else dict(
                        stages=s.pipeline.stages, pipeline_microbatches=s.pipeline.microbatches,
                        repeats=s.pipeline.repeats, schedule=s.pipeline.name,
