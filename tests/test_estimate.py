@@ -208,7 +208,7 @@ def test_zero2s_roomy_update_order_is_counted_only_where_the_device_has_room():
   assert unknown == roomy
   tight = estimate(cfg, policy, dataclasses.replace(shape, device_memory=roomy['total'] - 1))
   assert tight['total'] < roomy['total'] and tight['update'] < roomy['update']
-  # A device that holds the order with its sets gets it; elsewhere the term is never negative.
+  # A device exactly as large as the total with the sets holds them.
   assert estimate(cfg, policy, dataclasses.replace(shape, device_memory=roomy['total'])) == roomy
   for other in (dict(zero_stage=3), dict(fsdp=1), dict(stages=2)):   # not ZeRO-2's update, or not read
     assert roomy_update_sets(cfg, policy, dataclasses.replace(shape, **other)) == 0
