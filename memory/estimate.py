@@ -1380,7 +1380,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   update_phase = update['chain'] + streamed
   spent = update['gathered'] - grads if update.get('gathered') else 0   # the gradients are spent
   roomy = update.get('roomy', 0)
-  update_phase += max(spent, roomy)
+  update_phase += max(spent, roomy) if roomy else spent
   parts = {
       'params': params,
       'grads': grads,

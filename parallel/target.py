@@ -7,7 +7,6 @@ is rented. What JAX runs eagerly (shapes, the batch's placeholders) stays on the
 plugin of the installed jax (requirements-gpu-compile.txt); no driver and no GPU are needed."""
 import importlib.metadata
 import os
-import re
 
 from parallel import xla_flags
 
@@ -82,9 +81,10 @@ def topology(count: int, per_node: int) -> str:
   return f'1x{count // per_node}x{per_node}'
 
 
-def compile_devices(target_config: str, count: int, per_node: int) -> list:
+def compile_devices(target_config: str, count: int, per_node: int, memory_bytes: int = 0) -> list:
   """`count` compile-only GPU devices described by `target_config` (a GpuTargetConfig text
-  proto), `per_node` to a host. After `prepare`."""
+  proto), `per_node` to a host, each of `memory_bytes` (its description's; 0: not known) as
+  `device_memory` gives it. After `prepare`."""
   import jax
   from jax.experimental import topologies
   try:
@@ -97,9 +97,7 @@ def compile_devices(target_config: str, count: int, per_node: int) -> list:
     raise TargetCompileError(f'the CUDA plugin could not describe {count} GPUs: '
                              f'{str(e).splitlines()[0]}') from None
   devices = list(described.devices)
-  found = re.search(r'device_memory_size:\s*(\d+)', target_config)
-  for device in devices:
-    _MEMORY[device] = int(found.group(1)) if found else 0
+  _MEMORY.update(dict.fromkeys(devices, memory_bytes))
   return devices
 
 

@@ -56,6 +56,8 @@ def compile_devices(target: Target, target_config: str | None = None) -> list:
   """`target.count` compile-only devices of the target GPU, for XLA:GPU (after
   parallel.target.prepare), described by `target_config` (a GpuTargetConfig text proto; default
   the written description); TargetCompileError says why not."""
+  from configs.gpu_targets import parse_text_proto
   from parallel.target import compile_devices as devices, library_versions
   text = target_config or description(target).target_config(**library_versions())
-  return devices(text, target.count, target.per_node)
+  memory = int(parse_text_proto(text).get('gpu_device_info.device_memory_size', 0))
+  return devices(text, target.count, target.per_node, memory)
