@@ -1035,12 +1035,36 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
   ways = shards(cfg, shape, 'optimizer')   # the tensor split included
   if not shape.sharded('grads'):
     shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / ways
-    return shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
+    return (shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
+            + padded_zero1_copies(cfg, policy, shape))
   if padding_ratio(cfg, shape.fsdp) > 1:
     return padded_new_weights(cfg, policy, shape)
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
   waiting = (shape.stage_params(cfg) - layers * cfg.mlp_params_per_layer) * policy.param_bytes
   return largest + waiting / ways
+
+
+def padded_zero1_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
+  """ZeRO-1 on XLA:GPU where `fsdp` does not divide d_model: besides the whole new stacks, the
+  update's layer loop holds a second, d_model-first copy of each layer matrix whose d_model is its
+  last dimension (the MLP's down projection, the attention's output), and in its loop one layer of
+  the down projection gathered from padded shards twice (in flight and landed) beside one layer's
+  MLP matrix at its true size (100m on 512 and 1,024 H100s, 1b on 384, bench.buffers --target:
+  f32[12, 3072, 768]{1,0,2} and f32[2048, 16, 32, 64] copies, two f32[3072, 1024] gathers and a
+  f32[768, 3072] at the update's peak; 168 MiB over the new stacks at 100m, 1,488 at 1b: 100m on
+  512 -6.4 -> -0.1 %, on 40 -17.5 -> -1.2 %). Read with fp32 weights (bf16_mixed), tensor 1 and one
+  stage; other weights scale by their bytes, and a tensor or stage split is taken as dividing every
+  leaf evenly (not read)."""
+  if padding_ratio(cfg, shape.fsdp) == 1 or not on_gpu(shape):
+    return 0
+  copies, down_padded = 0, 0
+  for dims, axes in _param_tensors(cfg):
+    if axes[:1] == ('layers',) and axes[-1] == 'embed' and len(dims) > 2:
+      copies += math.prod(dims)
+      down_padded = max(down_padded, math.prod(_padded(dims, axes, shape.fsdp)[1:]))
+  layer_values = 2 * down_padded + cfg.d_model * cfg.mlp_dim
+  return ((copies * shape.stage_layers(cfg) / cfg.num_layers + layer_values) * policy.param_bytes
+          / shape.tensor)
 
 
 def padded_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:

@@ -215,6 +215,22 @@ def test_zero2s_roomy_update_order_is_counted_only_where_the_device_has_room():
   assert roomy_update_sets(cfg, get_policy('bf16_master'), shape) == 0
 
 
+def test_zero1s_padded_update_holds_the_d_model_last_stacks_twice_on_gpus():
+  """ZeRO-1 on XLA:GPU where fsdp does not divide d_model (100m, 768, on 512 devices): the
+  buffers read at the update's peak (memory/estimate.py:padded_zero1_copies) — a second copy of
+  the down and output projections' stacks, two padded f32[3072, 1024] gathers of one layer's down
+  projection and one f32[768, 3072] — and none where fsdp divides d_model or on XLA:CPU."""
+  from configs import default
+  from memory.estimate import padded_zero1_copies
+  cfg = ModelConfig.from_config(default.get_config('100m').model.to_dict())
+  policy = get_policy('bf16_mixed')
+  shape = StepShape(rows_per_device=1, seq_len=512, fsdp=512, zero_stage=1, backend='gpu')
+  stacks = 12 * (3072 * 768 + 12 * 64 * 768) * 4
+  assert padded_zero1_copies(cfg, policy, shape) == stacks + (2 * 3072 * 1024 + 768 * 3072) * 4
+  for other in (dict(fsdp=64), dict(backend='cpu')):
+    assert padded_zero1_copies(cfg, policy, dataclasses.replace(shape, **other)) == 0
+
+
 def test_gradients_not_formed_at_the_peak_are_a_part_of_their_own():
   """On one GPU the head's backward peaks before any gradient exists: the estimate takes them off
   as `unformed_grads`, a negative part the summary prints with a minus, so that every other part
