@@ -86,8 +86,8 @@ lookup's gradient formed after the layers' backward, gradients not formed yet at
 transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
 segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
-device has room for them (`sweeps/estimate.py:gpu`: 78 of its 90 points within 5 %; WORKSPACE.md
-says why the others are not).
+device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
+of its 90 points within 5 %; WORKSPACE.md says why the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
