@@ -420,6 +420,11 @@ def padding_ratio(cfg: ModelConfig, fsdp: int) -> float:
   return stored / values
 
 
+def uneven(cfg: ModelConfig, fsdp: int) -> bool:
+  """Whether `fsdp` leaves some stored dimension padded (it does not divide d_model)."""
+  return padding_ratio(cfg, fsdp) > 1
+
+
 def _padded(dims: tuple, axes: tuple, fsdp: int) -> list[int]:
   """A parameter's dimensions as the ZeRO rules store them split `fsdp` ways: each that the ZeRO
   axes split padded to the next multiple of `fsdp` (parallel/padding.py)."""
@@ -1037,7 +1042,7 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
     shard = layers * cfg.d_model * cfg.mlp_dim * FP32 / ways
     return (shape.stage_params(cfg) * policy.param_bytes / shape.tensor + 4 * shard
             + padded_zero1_copies(cfg, policy, shape))
-  if padding_ratio(cfg, shape.fsdp) > 1:
+  if uneven(cfg, shape.fsdp):
     return padded_new_weights(cfg, policy, shape)
   largest = layers * cfg.d_model * cfg.mlp_dim * policy.param_bytes / shape.tensor
   waiting = (shape.stage_params(cfg) - layers * cfg.mlp_params_per_layer) * policy.param_bytes
@@ -1047,24 +1052,33 @@ def gathered_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> 
 def padded_zero1_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """ZeRO-1 on XLA:GPU where `fsdp` does not divide d_model: besides the whole new stacks, the
   update's layer loop holds a second, d_model-first copy of each layer matrix whose d_model is its
-  last dimension (the MLP's down projection, the attention's output), and in its loop one layer of
-  the down projection gathered from padded shards twice (in flight and landed) beside one layer's
-  MLP matrix at its true size (100m on 512 and 1,024 H100s, 1b on 384, bench.buffers --target:
-  f32[12, 3072, 768]{1,0,2} and f32[2048, 16, 32, 64] copies, two f32[3072, 1024] gathers and a
-  f32[768, 3072] at the update's peak; 168 MiB over the new stacks at 100m, 1,488 at 1b: 100m on
-  512 -6.4 -> -0.1 %, on 40 -17.5 -> -1.2 %). Read with fp32 weights (bf16_mixed), tensor 1 and one
-  stage; other weights scale by their bytes, and a tensor or stage split is taken as dividing every
-  leaf evenly (not read)."""
-  if padding_ratio(cfg, shape.fsdp) == 1 or not on_gpu(shape):
+  last dimension (the MLP's down projection, the attention's output), and in its loop the largest
+  of them (the down projection) gathered from padded shards for one layer, twice (in flight and
+  landed), beside one layer's MLP matrix at its true size (100m on 512 and 1,024 H100s, 1b on 384,
+  bench.buffers --target: f32[12, 3072, 768]{1,0,2} and f32[2048, 16, 32, 64] copies, two
+  f32[3072, 1024] gathers and a f32[768, 3072] at the update's peak; 168 MiB over the new stacks
+  at 100m, 1,488 at 1b: 100m on 512 -6.4 -> -0.1 %, on 40 -17.5 -> -1.2 %). Read with SwiGLU,
+  fp32 weights (bf16_mixed) and 32-bit Adam on one stage without a context split: counted there
+  only; other weights scale by their bytes, and a tensor split is taken as dividing every leaf
+  evenly (not read)."""
+  if (shape.zero_stage != 1 or not on_gpu(shape) or not uneven(cfg, shape.fsdp)
+      or shape.adam_bits != 32 or shape.stages > 1 or shape.context > 1):
     return 0
-  copies, down_padded = 0, 0
+  copies, largest_padded = 0, 0
   for dims, axes in _param_tensors(cfg):
-    if axes[:1] == ('layers',) and axes[-1] == 'embed' and len(dims) > 2:
+    if _d_model_last_stack(axes) and len(dims) > 2:   # matrices, not the norms' scales
       copies += math.prod(dims)
-      down_padded = max(down_padded, math.prod(_padded(dims, axes, shape.fsdp)[1:]))
-  layer_values = 2 * down_padded + cfg.d_model * cfg.mlp_dim
+      largest_padded = max(largest_padded, math.prod(_padded(dims, axes, shape.fsdp)[1:]))
+  layer_values = 2 * largest_padded + cfg.d_model * cfg.mlp_dim
   return ((copies * shape.stage_layers(cfg) / cfg.num_layers + layer_values) * policy.param_bytes
           / shape.tensor)
+
+
+def _d_model_last_stack(axes: tuple) -> bool:
+  """A layer-stacked parameter whose d_model is its last dimension (the MLP's down projection, the
+  attention's output projection, the norms' scales): XLA:GPU lays such stacks out anew when their
+  d_model shards are padded."""
+  return axes[:1] == ('layers',) and axes[-1] == 'embed'
 
 
 def padded_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
@@ -1080,7 +1094,7 @@ def padded_new_weights(cfg: ModelConfig, policy: Policy, shape: StepShape) -> fl
   with SwiGLU; a tensor or stage split is taken as dividing every leaf evenly (not read)."""
   whole, gathered_padded = 0, []
   for dims, axes in _param_tensors(cfg):
-    if axes[:1] == ('layers',) and axes[-1] == 'embed':
+    if _d_model_last_stack(axes):
       whole += math.prod(dims)
     else:
       gathered_padded.append(math.prod(_padded(dims, axes, shape.fsdp)))

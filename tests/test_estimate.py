@@ -217,17 +217,23 @@ def test_zero2s_roomy_update_order_is_counted_only_where_the_device_has_room():
 
 def test_zero1s_padded_update_holds_the_d_model_last_stacks_twice_on_gpus():
   """ZeRO-1 on XLA:GPU where fsdp does not divide d_model (100m, 768, on 512 devices): the
-  buffers read at the update's peak (memory/estimate.py:padded_zero1_copies) — a second copy of
-  the down and output projections' stacks, two padded f32[3072, 1024] gathers of one layer's down
-  projection and one f32[768, 3072] — and none where fsdp divides d_model or on XLA:CPU."""
+  buffers read at the update's peak (memory/estimate.py:padded_zero1_copies): a second copy of the
+  down and output projections' stacks, two padded f32[3072, 1024] gathers of one layer's down
+  projection and one f32[768, 3072]. They are among the new weights that ZeRO-1's update forms
+  (`gathered_new_weights`), and absent where fsdp divides d_model, under ZeRO-2 (whose padded new
+  weights are `padded_new_weights`), on XLA:CPU and where they were not read."""
   from configs import default
-  from memory.estimate import padded_zero1_copies
+  from memory.estimate import gathered_new_weights, padded_zero1_copies
   cfg = ModelConfig.from_config(default.get_config('100m').model.to_dict())
   policy = get_policy('bf16_mixed')
   shape = StepShape(rows_per_device=1, seq_len=512, fsdp=512, zero_stage=1, backend='gpu')
+  copies = padded_zero1_copies(cfg, policy, shape)
   stacks = 12 * (3072 * 768 + 12 * 64 * 768) * 4
-  assert padded_zero1_copies(cfg, policy, shape) == stacks + (2 * 3072 * 1024 + 768 * 3072) * 4
-  for other in (dict(fsdp=64), dict(backend='cpu')):
+  assert copies == stacks + (2 * 3072 * 1024 + 768 * 3072) * 4
+  on_cpu = dataclasses.replace(shape, backend='cpu')
+  assert gathered_new_weights(cfg, policy, shape) == gathered_new_weights(cfg, policy, on_cpu) + copies
+  for other in (dict(fsdp=64), dict(zero_stage=2), dict(backend='cpu'), dict(adam_bits=8),
+                dict(stages=2)):
     assert padded_zero1_copies(cfg, policy, dataclasses.replace(shape, **other)) == 0
 
 
