@@ -92,6 +92,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
                                           # 1f1b schedules always do); holds them whole
       offload_optimizer=False,            # fp32 master and Adam moments in host memory, streamed
                                           # to the device a layer at a time for the update
+      offload_update='device',            # with offload_optimizer: 'device' (streamed, as above)
+                                          # or 'host' (the update computed by the host's
+                                          # processor where the state lives; only the weights
+                                          # and gradients cross, in their stored dtype)
       offload_frozen=False,               # LoRA/QLoRA: the frozen base in host memory, streamed
                                           # to the device a layer at a time
   )

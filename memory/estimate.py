@@ -143,6 +143,8 @@ class StepShape:
   chunk_layers: tuple[int, ...] = ()   # parallel.pipeline_stage_layers (): the default split
   offload_optimizer: bool = False   # master and moments in host memory (parallel.offload_optimizer)
   offload_frozen: bool = False      # a LoRA base in host memory (parallel.offload_frozen)
+  update_on_host: bool = False      # the offloaded update computed by the host's processor
+                                    # (parallel.offload_update='host'), not streamed
   context: int = 1       # size of the mesh's context axis: shards of each sequence
   packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
   device_memory: float = 0   # bytes of one device compiled for (0: not known): XLA:GPU's schedule
@@ -1197,6 +1199,14 @@ def offloaded(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # 24.69 GiB of host memory, the state's 13.81 and the layers' new 10.88).
     layers = cfg.num_layers * cfg.params_per_layer / cfg.num_params if frozen is None else 1
     parts['optimizer_update'] = parts['optimizer'] * layers if shape.backend != 'cpu' else 0
+    if shape.update_on_host and shape.backend != 'cpu':
+      # Computed on the host, the update writes the whole new state beside the old, and takes the
+      # gradients and the weights there in their stored dtype (1b bf16_master on one H200,
+      # compiled: 32.23 GiB of host memory, the state's 13.81, the new 13.81 and 2 x 2.30).
+      n = shape.stage_params(cfg) if frozen is None else (
+          frozen.trainable * shape.stage_params(cfg) / cfg.num_params)
+      parts['optimizer_update'] = parts['optimizer'] + n * policy.param_bytes * (
+          1 / shards(cfg, shape, 'params') + 1 / shards(cfg, shape, 'grads'))
   if cfg.remat in OFFLOADED_REMAT:
     parts['activations'] = activation_bytes(
         dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat]), policy, shape)
@@ -1413,8 +1423,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # none of it is on the device at the backward's peak (1b bf16_master, remat dots, on one H200,
   # jax 0.11.2: allocator peak 25.70 GiB with it offloaded, the temp the same 23.40 GiB as
   # without; bench/results/issue47-nvidia-h200-3).
+  # Computed on the host (`update_on_host`), none of it reaches the device.
   streamed = (streamed_state_bytes(cfg, policy, shape)
-              if shape.offload_optimizer and on_gpu(shape) else 0)
+              if shape.offload_optimizer and on_gpu(shape) and not shape.update_on_host else 0)
   update_phase = update['chain'] + streamed
   spent = update['gathered'] - grads if update.get('gathered') else 0   # the gradients are spent
   roomy = update.get('roomy', 0)

@@ -41,12 +41,16 @@ def _train(s, state, steps):
   return state, losses
 
 
-@pytest.mark.parametrize('layout,precision', [('zero1', 'bf16_master'), ('zero2', 'fp32'),
-                                              ('fsdp', 'bf16_master')])
-def test_the_offloaded_optimizer_trains_as_the_one_on_the_device(layout, precision):
+@pytest.mark.parametrize('layout,precision,update', [
+    ('zero1', 'bf16_master', 'device'), ('zero2', 'fp32', 'device'),
+    ('fsdp', 'bf16_master', 'device'), ('fsdp', 'bf16_master', 'host')])
+def test_the_offloaded_optimizer_trains_as_the_one_on_the_device(layout, precision, update):
+  """Streamed through the device a layer at a time, or computed on the host where the state
+  lives (parallel.offload_update): the same training as the optimizer on the device."""
   on_device = run.setup(config_for(layout, precision=precision))
   offloaded = run.setup(config_for(layout, precision=precision,
-                                   **{'parallel.offload_optimizer': True}))
+                                   **{'parallel.offload_optimizer': True,
+                                      'parallel.offload_update': update}))
   assert _kinds(offloaded.layout.abstract['opt_state']) == {OFFLOADED}
   assert _kinds(offloaded.layout.abstract['params']) == {'device'}
   state_a, losses_a = _train(on_device, on_device.layout.init(), 3)
@@ -66,9 +70,11 @@ def test_the_offloaded_optimizer_trains_as_the_one_on_the_device(layout, precisi
                                atol=reordered_rtol(n) * float(np.abs(want).max(initial=0)))
 
 
-def test_a_skipped_step_leaves_the_offloaded_state_as_it_was():
+@pytest.mark.parametrize('update', ['device', 'host'])
+def test_a_skipped_step_leaves_the_offloaded_state_as_it_was(update):
   s = run.setup(config_for('zero2', precision='bf16_master',
-                           **{'parallel.offload_optimizer': True}))
+                           **{'parallel.offload_optimizer': True,
+                              'parallel.offload_update': update}))
   state = s.layout.init()
   before = jax.tree.map(np.asarray, jax.device_get(state))
   # Gradients are not finite when the loss is not: a weight of inf makes every logit inf.
@@ -189,6 +195,9 @@ def test_offload_that_cannot_run_is_refused_in_one_line():
   assert 'mesh.stage=1' in refusal(**{'parallel.offload_optimizer': True, 'mesh.stage': 2,
                                       'mesh.fsdp': 4, 'parallel.pipeline_microbatches': 2})
   assert 'lora.rank' in refusal(**{'parallel.offload_frozen': True})
+  assert "one of 'device', 'host'" in refusal(**{'parallel.offload_optimizer': True,
+                                                 'parallel.offload_update': 'cpu'})
+  assert 'parallel.offload_optimizer=True' in refusal(**{'parallel.offload_update': 'host'})
   message = checks.host_memory_refusal('parallel.offload_optimizer=True', kinds=['device'],
                                        platform='tpu')
   assert message.count('\n') == 0 and 'pinned_host' in message and 'set it to False' in message

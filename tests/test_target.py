@@ -419,6 +419,32 @@ def test_an_offloaded_optimizer_is_on_a_gpu_only_in_its_update_and_in_host_memor
 
 
 @needs_plugin
+def test_an_offloaded_update_on_the_host_keeps_the_whole_state_off_the_gpu():
+  """parallel.offload_update='host' compiled for one H100: the update is one host computation
+  (XLA:GPU's `HostExecute`) over the state where it lives; only the weights and the gradients
+  cross, in their stored dtype (no fp32 array is copied between the memories), and host memory
+  holds the state, its new value and the two (the model's count, to the byte but for scalars)."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_master', 'parallel.offload_optimizer': True,
+                          'parallel.offload_update': 'host', 'mesh.data': 1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0, 'model.remat': 'dots',
+                          'train.batch_size': 4, 'train.seq_len': 64})
+  s = run.setup(config, compile_devices(parse_target('1xH100-80GB')))
+  compiled = run.compile_train_step(s)
+  report = run.memory_report(s, compiled)
+  host, estimated_host = report['host_bytes'], report['estimate_host_bytes']
+  # Besides the step counts, the gradients' norm and the finite flag reach host memory, each in a
+  # slot of XLA's host temp aligned to at most 512 bytes (513 bytes of them here, jax 0.10.2).
+  assert abs(estimated_host['total'] - host['total']) <= 64 + 2 * 512, (host, estimated_host)
+  text = compiled.as_text()
+  assert text.count('custom_call_target="HostExecute"') == 1
+  crossing = re.findall(r'copy-start\(', text)
+  fp32_copies = re.findall(r'= \((f32\[[^\]]*\]\{[^}]*\}), (f32\[[^\]]*\]\{[^}]*\}), u32\[\]\) '
+                           r'copy-start', text)
+  assert crossing and not [pair for pair in fp32_copies if ('S(5)' in pair[0]) != ('S(5)' in pair[1])]
+
+
+@needs_plugin
 def test_a_frozen_base_in_host_memory_is_compiled_there_for_a_gpu(tmp_path):
   """Compile-only devices list no memories, and a sharding over them drops its memory kind: the
   LoRA base placed in host memory (parallel.offload_frozen), which the step hands back untouched,

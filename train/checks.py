@@ -202,6 +202,9 @@ def host_memory_refusal(what: str, kinds: list[str] | None = None,
           f'False')
 
 
+OFFLOAD_UPDATES = ('device', 'host')   # parallel.offload_update: where the offloaded update runs
+
+
 def offload(config, *, stages: int, device=None) -> None:
   """`parallel.offload_*`: booleans, on devices with host memory (`device`'s: default this
   process's), with what they stream."""
@@ -221,6 +224,14 @@ def offload(config, *, stages: int, device=None) -> None:
       raise ConfigError(f'parallel.offload_optimizer=True with mesh.stage={stages}: the offloaded '
                         f'update streams layers one at a time, which a pipeline splits over '
                         f'devices; use mesh.stage=1 (or offload off)')
+  where = config.parallel.get('offload_update', 'device')
+  if where not in OFFLOAD_UPDATES:
+    raise ConfigError(f'parallel.offload_update={where!r}; it must be one of '
+                      f'{", ".join(map(repr, OFFLOAD_UPDATES))}')
+  if where == 'host' and not offloads['offload_optimizer']:
+    raise ConfigError("parallel.offload_update='host' but parallel.offload_optimizer=False: only "
+                      "an optimizer state in host memory is updated there; set "
+                      "parallel.offload_optimizer=True (or offload_update='device')")
   if offloads['offload_frozen'] and config.lora.rank == 0:
     raise ConfigError('parallel.offload_frozen=True but nothing is frozen (lora.rank=0); set '
                       'lora.rank > 0 (LoRA/QLoRA) or offload_frozen=False')

@@ -12,6 +12,10 @@ optimizer state at a time (a 7B model's 12 bytes per parameter of state: 2.4 GB 
 ZeRO-Offload keeps Adam's state off the GPU; host memory holds the old and the new state during
 the update.
 
+With `parallel.offload_update='host'` the update is instead one computation by the host's
+processor over the whole state where it lives (`_host_update`, jax's `compute_on`): the weights
+and gradients go to host memory and the new weights come back, and nothing of the state crosses.
+
 Each part sees only its own gradients, so clipping takes the step's global norm
 (optim/adamw.py:clip_by_global_norm, from `tx_for_norm`); Adam and weight decay are elementwise, so
 the parts' updates are the whole update's, but for that norm's summation order. Both parts advance
@@ -70,17 +74,22 @@ class OffloadedOptimizer:
   like the parameters, True for each weight stacked on a `layers` axis that no device splits
   (streamed a layer at a time); `layer_shardings`: their paths -> the sharding one layer is stored
   in (the new layer's values are placed there); `update_shardings`, `update_shapes`: path ->
-  where and in which (padded) shape the optimizer's state holds each parameter's values."""
+  where and in which (padded) shape the optimizer's state holds each parameter's values;
+  `on_host`: the update computed by the host's processor where the state lives
+  (`parallel.offload_update='host'`), not streamed through the device."""
   tx_for_norm: Callable
   stacked: dict
   layer_shardings: dict
   update_shardings: dict
   update_shapes: dict
+  on_host: bool = False
 
   def update(self, grads, opt_state, params, norm, finite):
     """(new parameters, new optimizer state) after one update. `grads`, `params`: as stored;
     `norm`: the gradients' global norm; `finite`: whether to update at all (False: every value is
     written back as it was)."""
+    if self.on_host:
+      return _host_update(self, grads, opt_state, params, norm, finite)
     return _streamed_update(self, self.tx_for_norm(norm), grads, opt_state, params, finite)
 
   def for_optimizer(self, path, x, layer=None):
@@ -105,9 +114,9 @@ def _parts(plan: OffloadedOptimizer, tx, opt_state):
 
 def written_anew(plan: OffloadedOptimizer, tx, opt_state):
   """A tree like `opt_state`, True where the update writes a leaf's new value into a buffer of
-  its own (the layer stacks, a layer at a time; train/donation.py says why the step must not
-  donate them)."""
-  return jax.tree.map(lambda part: part == STACKED, _parts(plan, tx, opt_state)[1])
+  its own (streamed: the layer stacks, a layer at a time; on the host: every leaf, the host
+  computation's results; train/donation.py says why the step must not donate them)."""
+  return jax.tree.map(lambda part: plan.on_host or part == STACKED, _parts(plan, tx, opt_state)[1])
 
 
 def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, finite):
@@ -178,3 +187,35 @@ def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, fin
   else:
     new_params, stacked_state = rest_params, opt_state
   return new_params, _join(stacked_state, rest_state, state_parts)
+
+
+def _host_update(plan: OffloadedOptimizer, grads, opt_state, params, norm, finite):
+  """The whole update computed by the host's processor where the state lives (ZeRO-Offload's
+  design; `parallel.offload_update='host'`): the gradients and the weights go to host memory in
+  their stored dtype (bf16 under bf16_master: 4 bytes a parameter), the update runs there in one
+  host computation, and the new weights come back (2 bytes); no byte of the master or the moments
+  reaches the device (the streamed update moves 12 bytes a parameter each way). Its results are
+  new buffers, not the old state's (train/donation.py: `written_anew` holds every leaf back), so
+  host memory holds the old and the new state at once. On XLA:CPU host and device are one memory
+  and this is the same arithmetic as the streamed update."""
+  def step(grads, opt_state, params, norm, finite):
+    tx = plan.tx_for_norm(norm)
+    shaped = lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: fit(x, plan.update_shapes[jax.tree_util.keystr(path)]), tree)
+    updates, new_state = tx.update(shaped(grads), opt_state, shaped(params))
+    new_params = jax.tree.map(lambda p, u: optax.apply_updates(p, fit(u, p.shape)), params,
+                              updates)
+    keep = lambda new, old: new if _masked(new) else jax.numpy.where(finite, new, old)
+    return (jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_state, opt_state, is_leaf=_masked))
+  host_step = _on_host(step, out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Host))
+  return host_step(to_host(grads), opt_state, to_host(params), to_host(norm), to_host(finite))
+
+
+def _on_host(fn, out_memory_spaces):
+  """`fn` computed by the host's processor, its results placed in `out_memory_spaces` (a prefix
+  of its results' tree): jax.experimental.compute_on's function form, `compute_on2` on jax 0.10
+  (where `compute_on` is a context manager), `compute_on` since."""
+  from jax.experimental import compute_on as module
+  wrap = getattr(module, 'compute_on2', module.compute_on)
+  return wrap(fn, compute_type='device_host', out_memory_spaces=out_memory_spaces)
