@@ -1201,12 +1201,13 @@ def offloaded(cfg: ModelConfig, policy: Policy, shape: StepShape,
     parts['optimizer_update'] = parts['optimizer'] * layers if shape.backend != 'cpu' else 0
     if shape.update_on_host and shape.backend != 'cpu':
       # Computed on the host, the update writes the whole new state beside the old, and takes the
-      # gradients and the weights there in their stored dtype (1b bf16_master on one H200,
-      # compiled: 32.23 GiB of host memory, the state's 13.81, the new 13.81 and 2 x 2.30).
+      # gradients and the weights there in their stored dtype, cut to the optimizer's shards
+      # (1b bf16_master on one H200, compiled: 32.23 GiB of host memory, the state's 13.81, the
+      # new 13.81 and 2 x 2.30).
       n = shape.stage_params(cfg) if frozen is None else (
           frozen.trainable * shape.stage_params(cfg) / cfg.num_params)
-      parts['optimizer_update'] = parts['optimizer'] + n * policy.param_bytes * (
-          1 / shards(cfg, shape, 'params') + 1 / shards(cfg, shape, 'grads'))
+      parts['optimizer_update'] = (parts['optimizer']
+                                   + 2 * n * policy.param_bytes / shards(cfg, shape, 'optimizer'))
   if cfg.remat in OFFLOADED_REMAT:
     parts['activations'] = activation_bytes(
         dataclasses.replace(cfg, remat=OFFLOADED_REMAT[cfg.remat]), policy, shape)

@@ -43,7 +43,8 @@ def _train(s, state, steps):
 
 @pytest.mark.parametrize('layout,precision,update', [
     ('zero1', 'bf16_master', 'device'), ('zero2', 'fp32', 'device'),
-    ('fsdp', 'bf16_master', 'device'), ('fsdp', 'bf16_master', 'host')])
+    ('fsdp', 'bf16_master', 'device'), ('zero1', 'bf16_master', 'host'),
+    ('fsdp', 'bf16_master', 'host')])
 def test_the_offloaded_optimizer_trains_as_the_one_on_the_device(layout, precision, update):
   """Streamed through the device a layer at a time, or computed on the host where the state
   lives (parallel.offload_update): the same training as the optimizer on the device."""

@@ -205,6 +205,12 @@ def host_memory_refusal(what: str, kinds: list[str] | None = None,
 OFFLOAD_UPDATES = ('device', 'host')   # parallel.offload_update: where the offloaded update runs
 
 
+def offload_update(config) -> str:
+  """Where the offloaded optimizer's update runs (`parallel.offload_update`): a config saved
+  before the key existed streams it through the device."""
+  return config.parallel.get('offload_update', 'device')
+
+
 def offload(config, *, stages: int, device=None) -> None:
   """`parallel.offload_*`: booleans, on devices with host memory (`device`'s: default this
   process's), with what they stream."""
@@ -224,7 +230,7 @@ def offload(config, *, stages: int, device=None) -> None:
       raise ConfigError(f'parallel.offload_optimizer=True with mesh.stage={stages}: the offloaded '
                         f'update streams layers one at a time, which a pipeline splits over '
                         f'devices; use mesh.stage=1 (or offload off)')
-  where = config.parallel.get('offload_update', 'device')
+  where = offload_update(config)
   if where not in OFFLOAD_UPDATES:
     raise ConfigError(f'parallel.offload_update={where!r}; it must be one of '
                       f'{", ".join(map(repr, OFFLOAD_UPDATES))}')

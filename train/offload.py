@@ -191,25 +191,24 @@ def _streamed_update(plan: OffloadedOptimizer, tx, grads, opt_state, params, fin
 
 def _host_update(plan: OffloadedOptimizer, grads, opt_state, params, norm, finite):
   """The whole update computed by the host's processor where the state lives (ZeRO-Offload's
-  design; `parallel.offload_update='host'`): the gradients and the weights go to host memory in
-  their stored dtype (bf16 under bf16_master: 4 bytes a parameter), the update runs there in one
-  host computation, and the new weights come back (2 bytes); no byte of the master or the moments
-  reaches the device (the streamed update moves 12 bytes a parameter each way). Its results are
-  new buffers, not the old state's (train/donation.py: `written_anew` holds every leaf back), so
-  host memory holds the old and the new state at once. On XLA:CPU host and device are one memory
-  and this is the same arithmetic as the streamed update."""
+  design; `parallel.offload_update='host'`): the gradients and the weights, cut on the device to
+  the optimizer's shards and shapes, go to host memory in their stored dtype (bf16 under
+  bf16_master: 4 bytes a parameter), the update runs there in one host computation, and the new
+  weights come back (2 bytes) to be laid out as the parameters are; no byte of the master or the
+  moments reaches the device (the streamed update moves 12 bytes a parameter each way). Its
+  results are new buffers, not the old state's (train/donation.py: `written_anew` holds every
+  leaf back), so host memory holds the old and the new state at once. On XLA:CPU host and device
+  are one memory and this is the same arithmetic as the streamed update."""
   def step(grads, opt_state, params, norm, finite):
-    tx = plan.tx_for_norm(norm)
-    shaped = lambda tree: jax.tree_util.tree_map_with_path(
-        lambda path, x: fit(x, plan.update_shapes[jax.tree_util.keystr(path)]), tree)
-    updates, new_state = tx.update(shaped(grads), opt_state, shaped(params))
-    new_params = jax.tree.map(lambda p, u: optax.apply_updates(p, fit(u, p.shape)), params,
-                              updates)
+    updates, new_state = plan.tx_for_norm(norm).update(grads, opt_state, params)
     keep = lambda new, old: new if _masked(new) else jax.numpy.where(finite, new, old)
-    return (jax.tree.map(keep, new_params, params),
+    return (jax.tree.map(keep, optax.apply_updates(params, updates), params),
             jax.tree.map(keep, new_state, opt_state, is_leaf=_masked))
   host_step = _on_host(step, out_memory_spaces=(jax.memory.Space.Device, jax.memory.Space.Host))
-  return host_step(to_host(grads), opt_state, to_host(params), to_host(norm), to_host(finite))
+  as_optimizer = lambda tree: jax.tree_util.tree_map_with_path(plan.for_optimizer, tree)
+  new_params, new_state = host_step(to_host(as_optimizer(grads)), opt_state,
+                                    to_host(as_optimizer(params)), to_host(norm), to_host(finite))
+  return jax.tree.map(lambda p, new: fit(new, p.shape), params, new_params), new_state
 
 
 def _on_host(fn, out_memory_spaces):

@@ -100,7 +100,7 @@ def setup(config, devices=None, stored_block_axes: dict | None = None) -> Setup:
         lambda norm: tx_for_norm(global_norm=norm), layout.stacked, layout.layer_shardings,
         _keyed(layout.update_shardings),
         dict(zip(_keyed(layout.true['params']), layout.update_shapes.leaves, strict=True)),
-        on_host=config.parallel.get('offload_update', 'device') == 'host')
+        on_host=checks.offload_update(config) == 'host')
   step_fn = make_train_step(layout.graphdef, tx, policy, config.train.microbatches,
                             layout=layout, per_device=per_device,
                             dropout_seed=config.train.seed if dropout else None,
@@ -248,7 +248,7 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
                    adam_block_size=s.config.quant.adam_block_size,
                    backend=backend or s.platform,
                    offload_optimizer=s.config.parallel.get('offload_optimizer', False),
-                   update_on_host=s.config.parallel.get('offload_update', 'device') == 'host',
+                   update_on_host=checks.offload_update(s.config) == 'host',
                    offload_frozen=s.config.parallel.get('offload_frozen', False),
                    packed=bool(s.config.data.packing),
                    device_memory=target_lib.device_memory(s.mesh.devices.flat[0])
