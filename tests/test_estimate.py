@@ -231,7 +231,8 @@ def test_zero1s_padded_update_holds_the_d_model_last_stacks_twice_on_gpus():
   stacks = 12 * (3072 * 768 + 12 * 64 * 768) * 4
   assert copies == stacks + (2 * 3072 * 1024 + 768 * 3072) * 4
   on_cpu = dataclasses.replace(shape, backend='cpu')
-  assert gathered_new_weights(cfg, policy, shape) == gathered_new_weights(cfg, policy, on_cpu) + copies
+  assert (gathered_new_weights(cfg, policy, shape)
+          == gathered_new_weights(cfg, policy, on_cpu) + copies)
   for other in (dict(fsdp=64), dict(zero_stage=2), dict(backend='cpu'), dict(adam_bits=8),
                 dict(stages=2)):
     assert padded_zero1_copies(cfg, policy, dataclasses.replace(shape, **other)) == 0

@@ -441,7 +441,8 @@ def test_an_offloaded_update_on_the_host_keeps_the_whole_state_off_the_gpu():
   crossing = re.findall(r'copy-start\(', text)
   fp32_copies = re.findall(r'= \((f32\[[^\]]*\]\{[^}]*\}), (f32\[[^\]]*\]\{[^}]*\}), u32\[\]\) '
                            r'copy-start', text)
-  assert crossing and not [pair for pair in fp32_copies if ('S(5)' in pair[0]) != ('S(5)' in pair[1])]
+  between_memories = [pair for pair in fp32_copies if ('S(5)' in pair[0]) != ('S(5)' in pair[1])]
+  assert crossing and not between_memories, between_memories
 
 
 @needs_plugin
