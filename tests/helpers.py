@@ -1,5 +1,6 @@
 """Small configs and models shared by the tests, and the environment of a process a test starts."""
 import os
+import sys
 
 import jax
 import numpy as np
@@ -36,6 +37,16 @@ def child_environ(xla_flags: str = '', **extra) -> dict:
   """The suite's environment for a process a test starts, with XLA_FLAGS set to `xla_flags` and
   the quick compile only: the child sets its own device count (main.py's --host_devices)."""
   return {**os.environ, 'XLA_FLAGS': f'{xla_flags} {QUICK_COMPILE}'.strip(), **extra}
+
+
+def python(env: dict | None = None) -> list[str]:
+  """The words that start `python ...` for a process a test starts in `env` (child_environ()'s
+  by default): the warm Python's client (tests/warm_python.py), which skips the imports every such
+  process begins with, or a new interpreter where SUITE_WARM_PYTHON=0. A test that kills its
+  process with SIGKILL, or asks what a new interpreter has imported, starts `sys.executable`."""
+  from tests import warm_python
+  return warm_python.command(child_environ() if env is None else env) if warm_python.ON else [
+      sys.executable]
 
 
 def tiny_config(**overrides):

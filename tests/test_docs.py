@@ -33,6 +33,8 @@ import sys
 import pytest
 from ml_collections import config_dict
 
+from tests import warm_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDES = ['README.md'] + sorted(os.path.join('docs', f) for f in os.listdir(os.path.join(ROOT, 'docs'))
                                 if f.endswith('.md'))
@@ -73,8 +75,9 @@ def commands(body: list[str]) -> list[str]:
   return out
 
 
-def _shell_line(command: str, directive: list[str]) -> str:
-  """One documented command as the test runs it (see the module's docstring)."""
+def _shell_line(command: str, directive: list[str], python: list[str]) -> str:
+  """One documented command as the test runs it (see the module's docstring), `python` run by
+  the words `python`."""
   preset = next((t.split('=', 1)[1] for t in directive if t.startswith('preset=')), None)
   main_args = [t for t in directive if t.startswith('--')]
   module_args = [t.split(':', 1) for t in directive if re.match(r'^[a-z_.]+:--', t)]
@@ -93,7 +96,7 @@ def _shell_line(command: str, directive: list[str]) -> str:
       words += main_args
     elif words[1] == '-m':
       words += [arg for module, arg in module_args if module == words[2]]
-    parts.append(shlex.join([sys.executable] + words[1:]))
+    parts.append(shlex.join(python + words[1:]))
   line = ' && '.join(parts)
   return f'{line} & pids+=($!)' if background else line
 
@@ -171,7 +174,8 @@ def _run_block(guide: str, block: dict, directory, directive: list[str]) -> str:
     if name and not os.path.exists(os.path.join(directory, FIXTURE_PATHS[name])):
       FIXTURES[name](str(directory))
   script = ['set -euo pipefail', 'pids=()']
-  script += [_shell_line(c, directive) for c in commands(block['body'])]
+  python = warm_python.command(env) if warm_python.ON else [sys.executable]
+  script += [_shell_line(c, directive, python) for c in commands(block['body'])]
   script += ['for p in "${pids[@]}"; do wait "$p"; done']
   result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=directory, env=env,
                           capture_output=True, text=True, timeout=900)

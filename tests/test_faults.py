@@ -16,7 +16,7 @@ import pytest
 from configs.layouts import layout_config
 from optim.adam8bit import is_quantized_moment
 from quant.blockwise import dequantize_blockwise
-from tests.helpers import child_environ, tiny_config
+from tests.helpers import child_environ, python, tiny_config
 from tests.test_run import ROOT, losses_by_step, read_metrics, small_corpus
 from train import run
 from train.checkpoint import Checkpointer, CheckpointError
@@ -25,8 +25,10 @@ from train.metrics import truncate_jsonl
 from train.workdir_lock import WorkdirBusy, workdir_lock
 
 
-def main_args(workdir, corpus, *overrides):
-  return [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
+def main_args(workdir, corpus, *overrides, fresh: bool = False):
+  """`fresh`: in a new interpreter, for a test whose SIGKILL must land on the run itself."""
+  return [*([sys.executable] if fresh else python()), os.path.join(ROOT, 'main.py'),
+          '--config=configs/default.py:tiny',
           f'--workdir={workdir}', f'--config.data.path={corpus}', '--config.train.log_every=1',
           '--config.sample.length=8', *overrides]
 
@@ -83,7 +85,7 @@ def test_kill_9_sigterm_and_sigint_at_any_point_then_resume_equals_the_uninterru
     return step
 
   def kill(workdir, during_write: bool, rng):
-    proc = start(main_args(workdir, corpus, *overrides))
+    proc = start(main_args(workdir, corpus, *overrides, fresh=True))
     wait_for_step(workdir, proc, 1 + max(losses_by_step(workdir)))
     if during_write:   # orbax writes into a temporary folder, renamed when complete
       while not any('tmp' in name for name in os.listdir(workdir / 'checkpoints')):
@@ -322,7 +324,7 @@ def test_a_second_run_on_a_live_runs_workdir_is_refused_in_one_line(tmp_path):
   workdir = tmp_path / 'w'
   with workdir_lock(str(workdir)):   # stands for the live run
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
+        [*python(), os.path.join(ROOT, 'main.py'), '--config=configs/default.py:tiny',
          '--dry_run', f'--workdir={workdir}'], cwd=ROOT, capture_output=True, text=True,
         env=child_environ(), timeout=300)
     assert result.returncode == 1 and 'Traceback' not in result.stderr

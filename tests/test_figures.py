@@ -8,10 +8,11 @@ import glob
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import pytest
+
+from tests.helpers import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +40,7 @@ def test_the_fsdp_dry_run_figures_are_those_recorded():
     pytest.skip(f'no figures recorded under jax {jax.__version__} (record with bench.figures --out)')
   # A process of its own: bench.figures defines absl flags, as the run does. Compiled as a user
   # compiles, without the suite's quicker compile (tests/helpers.py:QUICK_COMPILE).
-  result = subprocess.run([sys.executable, '-m', 'bench.figures', '--only=fsdp',
+  result = subprocess.run([*python(os.environ), '-m', 'bench.figures', '--only=fsdp',
                            f'--against={recorded}'], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, 'XLA_FLAGS': ''})
   assert result.returncode == 0 and 'fsdp       ok, unchanged' in result.stdout, (

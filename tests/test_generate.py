@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from cli.generate import main
-from tests.helpers import reordered_rtol, tiny_config
+from tests.helpers import python, reordered_rtol, tiny_config
 from train import ptq, run
 from train.generate import generate_text
 from train.sample import truncated
@@ -91,11 +91,10 @@ def test_the_old_command_names_still_run_the_programs(tmp_path):
   """`python -m train.generate` (and evaluate, export_hf) moved to cli/; the old names run the same
   program: its refusal, its exit status."""
   import subprocess
-  import sys
   for old in ('train.generate', 'train.evaluate', 'train.export_hf'):
     args = [f'--workdir={tmp_path}/none'] + (['--prompt=x'] if old == 'train.generate' else
                                              ['--out=x'] if old == 'train.export_hf' else [])
-    done = subprocess.run([sys.executable, '-m', old, *args], capture_output=True, text=True,
+    done = subprocess.run([*python(os.environ), '-m', old, *args], capture_output=True, text=True,
                           env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=300)
     assert done.returncode != 0 and 'error:' in done.stderr and f'{tmp_path}/none' in done.stderr, (
         old, done.returncode, done.stderr[-2000:])

@@ -5,7 +5,6 @@ up for the test."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +14,7 @@ from plan.cost import MFU_ASSUMED, Recipe, step_seconds
 from plan.target import Target
 from precision.policy import get_policy
 from sweep.metrics import METRICS, PointFiles
-from tests.helpers import tiny_config
+from tests.helpers import python, tiny_config
 from tests.test_docs import run_documented
 from train.checks import model_config
 
@@ -67,7 +66,7 @@ def test_the_smoke_suite_measures_plans_and_runs_the_claim_then_resumes(tmp_path
 
 
 def test_a_pattern_that_matches_nothing_and_a_cpu_without_smoke_are_refused(tmp_path):
-  done = subprocess.run([sys.executable, '-m', 'bench.gpu', '--smoke', '--only=70b',
+  done = subprocess.run([*python(os.environ), '-m', 'bench.gpu', '--smoke', '--only=70b',
                          f'--workdir={tmp_path / "w"}', f'--out_dir={tmp_path / "out"}'],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode != 0
@@ -75,7 +74,7 @@ def test_a_pattern_that_matches_nothing_and_a_cpu_without_smoke_are_refused(tmp_
       "error: --only='70b' matches none of the cases: 1b_bf16_mixed, ")
   assert not (tmp_path / 'w').exists() and not (tmp_path / 'out').exists()
   # Without --smoke the full-size cases are for an accelerator: refused on a CPU.
-  done = subprocess.run([sys.executable, '-m', 'bench.gpu', f'--workdir={tmp_path / "w"}',
+  done = subprocess.run([*python(os.environ), '-m', 'bench.gpu', f'--workdir={tmp_path / "w"}',
                          f'--out_dir={tmp_path / "out"}'], cwd=ROOT, capture_output=True,
                         text=True, timeout=300)
   assert done.returncode != 0

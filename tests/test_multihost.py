@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs.layouts import layout_config
-from tests.helpers import child_environ
+from tests.helpers import child_environ, python
 from tests.test_docs import run_documented
 from tests.test_run import ROOT, small_corpus
 from train import run
@@ -31,8 +31,10 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def main_args(workdir, corpus):
-  return [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny',
+def main_args(workdir, corpus, fresh: bool = False):
+  """`fresh`: in a new interpreter, for a test whose SIGKILL must land on the run itself."""
+  return [*([sys.executable] if fresh else python()), os.path.join(ROOT, 'main.py'),
+          '--config=configs/fsdp.py:tiny',
           f'--workdir={workdir}', f'--config.train.steps={STEPS}', '--config.train.log_every=1',
           f'--config.data.path={corpus}', '--config.sample.length=8', '--config.train.eval_tokens=512']
 
@@ -187,7 +189,7 @@ def test_a_context_axis_spanning_two_processes_matches_the_single_process_run(ru
 def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp_path):
   port = free_port()   # nothing listens there
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
+      [*python(), os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
        f'--workdir={tmp_path}', '--host_devices=4', f'--coordinator_address=127.0.0.1:{port}',
        '--num_processes=2', '--process_id=1', '--coordinator_timeout=5'],
       cwd=ROOT, env=child_environ(), capture_output=True, text=True, timeout=120)
@@ -204,7 +206,7 @@ def test_an_unreachable_coordinator_fails_in_bounded_time_naming_the_address(tmp
 ])
 def test_bad_multi_host_flags_are_refused_in_one_line(tmp_path, flags, message):
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
+      [*python(), os.path.join(ROOT, 'main.py'), '--config=configs/fsdp.py:tiny', '--dry_run',
        f'--workdir={tmp_path / "w"}', *flags], cwd=ROOT, env=child_environ(),
       capture_output=True, text=True, timeout=120)
   assert result.returncode != 0 and 'Traceback' not in result.stderr
@@ -253,7 +255,7 @@ def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_
   from tests.test_faults import wait_for_step
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'two'
-  args = [a for a in main_args(workdir, corpus) if not a.startswith('--config.train.steps')]
+  args = [a for a in main_args(workdir, corpus, fresh=True) if not a.startswith('--config.train.steps')]
   args += ['--config.train.steps=16', '--config.train.checkpoint_every=4', '--host_devices=4',
            '--num_processes=2', '--coordinator_timeout=60', f'--peer_timeout={PEER_TIMEOUT}']
   # 16 steps: a kill that lands a checkpoint late (at 8, then 12 on a busy machine) still leaves one

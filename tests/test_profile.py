@@ -4,8 +4,8 @@ this runs on each stack); the bytes each operation moves; bench/studies/pieces.p
 import json
 import os
 import subprocess
-import sys
 
+from tests.helpers import python
 from tests.test_docs import run_documented
 from tests.test_run import ROOT
 
@@ -54,7 +54,7 @@ def test_an_operation_on_a_slice_of_a_stack_moves_only_the_slice():
 def test_the_pieces_are_timed_in_both_libraries(tmp_path):
   out = tmp_path / 'pieces.json'
   result = subprocess.run(
-      [sys.executable, '-m', 'bench.studies.pieces', '--shape=small', '--only=rmsnorm|adamw',
+      [*python(os.environ), '-m', 'bench.studies.pieces', '--shape=small', '--only=rmsnorm|adamw',
        '--repeats=1', f'--out={out}'],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
       env={**os.environ, 'JAX_PLATFORMS': 'cpu'})

@@ -3,12 +3,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from data import DataError
-from tests.helpers import child_environ, tiny_config
+from tests.helpers import child_environ, python, tiny_config
 from train import checks, run
 from train.checkpoint import CheckpointError
 
@@ -154,7 +153,7 @@ def test_bad_prepared_data_is_refused_before_anything_is_written(tmp_path):
 
 def main_py(*args, cwd=ROOT):
   env = child_environ()
-  return subprocess.run([sys.executable, os.path.join(ROOT, 'main.py'), *args], cwd=cwd, env=env,
+  return subprocess.run([*python(env), os.path.join(ROOT, 'main.py'), *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=600)
 
 

@@ -15,6 +15,7 @@ import pytest
 from sweep import spec
 from sweep.grid import Point, SweepError, axis, check_names, choices, product, zipped
 from sweep.runner import Runner, last_error_line
+from tests.helpers import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +28,7 @@ def _sweep_file(tmp_path, body: str, name: str = 'tiny_sweep.py') -> str:
 
 
 def _run(sweep_file: str, workdir, *flags, timeout=600) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, '-m', 'sweep', f'--sweep={sweep_file}',
+  return subprocess.run([*python(os.environ), '-m', 'sweep', f'--sweep={sweep_file}',
                          f'--workdir={workdir}', *flags], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout)
 
@@ -256,7 +257,7 @@ def test_ctrl_c_stops_the_points_and_writes_no_results(tmp_path):
                     points=axis('train.seed', [0]), metrics=('final_loss',))
       """)
   workdir = tmp_path / 'w'
-  process = subprocess.Popen([sys.executable, '-m', 'sweep', f'--sweep={path}',
+  process = subprocess.Popen([*python(os.environ), '-m', 'sweep', f'--sweep={path}',
                               f'--workdir={workdir}'], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
   log = workdir / 'runs' / 'seed=0' / 'metrics.jsonl'

@@ -15,7 +15,7 @@ from configs.gpu_targets import DESCRIPTIONS, description_differences, parse_tex
 from configs.hardware import DEVICE_KINDS, GPUS
 from parallel import target as target_lib
 from plan.target import compile_devices, parse_target
-from tests.helpers import tiny_config
+from tests.helpers import python, tiny_config
 from tests.test_run import ROOT, main_py
 
 
@@ -373,8 +373,7 @@ def test_the_gpu_check_runs_its_plumbing_on_a_cpu(tmp_path):
   """`python -m bench.target_check --smoke` on a CPU: a case compiled for a GPU without one (its
   deviceless figure) beside the same case run here, written as JSON and markdown."""
   import subprocess
-  import sys
-  done = subprocess.run([sys.executable, '-m', 'bench.target_check', '--smoke',
+  done = subprocess.run([*python(os.environ), '-m', 'bench.target_check', '--smoke',
                          '--only=^1b_bf16_mixed$', f'--out_dir={tmp_path / "out"}',
                          f'--workdir={tmp_path / "w"}'], cwd=ROOT, capture_output=True, text=True,
                         timeout=600)

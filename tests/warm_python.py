@@ -1,0 +1,218 @@
+"""A Python that has imported JAX and the libraries already, for the commands the suite starts.
+
+Each `python main.py ...` or `python -m MODULE ...` the suite starts spends its first second
+importing JAX, Flax, optax, orbax, grain and the project (the tiny preset's dry run, 2-core AMD
+EPYC: 2.6 s of CPU in a new interpreter, 1.4 s here, as the server's wait4 counts it), and the
+suite starts about 150. A server, started
+once per worker (`command()`), imports them, then forks a child for each command: the child takes
+the command's arguments, working directory, environment and standard streams, and runs its script
+or module as `__main__`, as `python` would. It is a process of its own, so its exit code, its
+output and its files are the command's; the client (tests/warm_client.py) that the shell starts in
+python's place passes signals on to it and exits as it does.
+
+What differs from a new interpreter is only that the modules below are imported already. So a
+command whose environment differs from the server's in a variable that those modules may read at
+import (any but READ_LATER), or that gives python an option of its own, is refused here and runs
+in a new interpreter instead. The project's modules come from this checkout, as they do for every
+command the suite starts (a guide's scratch directory links `configs/` to it); no backend is started
+(XLA reads its flags when one starts, in the child).
+
+`python -m tests.warm_python SOCKET`: serves on the Unix socket SOCKET until its parent exits.
+"""
+import atexit
+import importlib
+import json
+import os
+import runpy
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENT = os.path.join(ROOT, 'tests', 'warm_client.py')
+# Variables read after the imports (by the command itself, or by XLA when its backend starts) or
+# by the shell only: they may differ between the server and a command it serves.
+READ_LATER = frozenset({'XLA_FLAGS', 'PWD', 'OLDPWD', 'SHLVL', '_'})
+HEADER = 8   # bytes of a message's length, before its JSON
+ON = os.environ.get('SUITE_WARM_PYTHON', '1') != '0'   # SUITE_WARM_PYTHON=0: every command anew
+
+
+# What the commands import before their own work, main.py's in its order: the libraries, the
+# CUDA plugin the backend's start imports where it is installed, and the project's library (which
+# imports configs/default.py and configs/hardware.py from the project).
+PRELOADED = ('absl.app', 'absl.flags', 'absl.logging', 'ml_collections.config_flags', 'numpy',
+             'jax', 'jax.numpy', 'flax.linen', 'optax', 'orbax.checkpoint', 'grain',
+             'train.checks', 'train.run', 'train.loop', 'train.checkpoint', 'train.init_from',
+             'train.workdir_lock', 'train.collector', 'parallel.peers')
+WHERE_INSTALLED = ('jax_plugins.xla_cuda12',)
+
+
+def preload() -> None:
+  from train import imports   # flax.nnx without IPython, as main.py imports it (the rule's one place)
+  imports.flax_nnx()
+  for module in PRELOADED:
+    importlib.import_module(module)
+  for module in WHERE_INSTALLED:
+    try:
+      importlib.import_module(module)
+    except ImportError:
+      pass
+  from jax._src import xla_bridge
+  assert not xla_bridge._backends, 'a backend started while importing: XLA_FLAGS would be read'
+
+
+def refusal(request: dict, started: dict) -> str | None:
+  """Why `request` must run in a new interpreter, or None, where the server's environment was
+  `started` before its imports (the client has refused python's own options already)."""
+  keys = (set(request['env']) | set(started)) - READ_LATER
+  differ = sorted(k for k in keys if request['env'].get(k) != started.get(k))
+  return f'environment differs in {differ}' if differ else None
+
+
+def send(conn: socket.socket, message: dict) -> None:
+  data = json.dumps(message).encode()
+  conn.sendall(len(data).to_bytes(HEADER, 'big') + data)
+
+
+def receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
+  """A request and the three standard streams sent with it; (None, [...]) where the client
+  closed first."""
+  data, fds = b'', []
+  while len(data) < HEADER or len(data) < HEADER + int.from_bytes(data[:HEADER], 'big'):
+    chunk, got, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    fds += got
+    if not chunk:
+      return None, fds
+    data += chunk
+  return json.loads(data[HEADER:]), fds
+
+
+def serve(path: str, started: dict) -> dict:
+  """Forks a child per request until the parent exits; returns (in the child) its request.
+  `started`: the environment before the imports."""
+  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  listener.bind(path + '.binding')
+  listener.listen(16)
+  os.rename(path + '.binding', path)   # a client that finds the path finds it listening
+  parent, selector, children = os.getppid(), selectors.DefaultSelector(), {}
+  selector.register(listener, selectors.EVENT_READ, 'accept')
+  while os.getppid() == parent:
+    for key, _ in selector.select(timeout=1.0):
+      if key.data == 'accept':
+        conn, _ = listener.accept()
+        request, fds = receive(conn)
+        reason = refusal(request, started) if request is not None and len(fds) == 3 else 'a torn request'
+        if reason:
+          send(conn, {'refused': reason})
+          conn.close()
+          for fd in fds:
+            os.close(fd)
+          continue
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+          selector.close()
+          for other in [listener, conn, *(c for _, c in children.values())]:
+            other.close()
+          for fd in children:
+            os.close(fd)
+          return dict(request, fds=fds)
+        for fd in fds:
+          os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        children[pidfd] = (pid, conn)
+        selector.register(pidfd, selectors.EVENT_READ, 'exited')
+        selector.register(conn, selectors.EVENT_READ, pidfd)
+        send(conn, {'pid': pid})
+      elif key.data == 'exited':
+        pid, conn = children.pop(key.fd)
+        selector.unregister(key.fd)
+        os.close(key.fd)
+        _, status = os.waitpid(pid, 0)
+        if conn.fileno() >= 0:
+          selector.unregister(conn)
+          send(conn, {'status': status})
+          conn.close()
+      elif key.data in children:   # the client closed its end: it was killed, and so is its child
+        pid, conn = children[key.data]
+        os.kill(pid, signal.SIGKILL)
+        selector.unregister(conn)
+        conn.close()
+  for pid, _ in children.values():
+    os.kill(pid, signal.SIGKILL)
+  sys.exit(0)
+
+
+def become(request: dict, started: dict) -> None:
+  """This forked child takes the request's streams, directory, environment and arguments; the
+  variables the imports set (JAX sets two) are set as they would be in a new interpreter."""
+  for target, fd in enumerate(request['fds']):
+    os.dup2(fd, target)
+    os.close(fd)
+  os.chdir(request['cwd'])
+  added = {k: v for k, v in os.environ.items() if k not in started}
+  os.environ.clear()
+  os.environ.update({**added, **request['env']})
+  import numpy
+  numpy.random.seed()   # a new interpreter's global generators are seeded anew (random's is at fork)
+
+
+def run(request: dict) -> None:
+  """The script or module as `__main__`, with sys.argv and sys.path[0] as `python` sets them."""
+  args = request['args']
+  if args[0] == '-m':
+    sys.path[0] = os.getcwd()
+    sys.modules.pop(args[1], None)   # imported by what the server imported: run anew, as `python`'s
+    sys.argv = [args[1]] + args[2:]   # runpy puts the module's file in argv[0]
+    runpy.run_module(args[1], run_name='__main__', alter_sys=True)
+  else:
+    sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
+    sys.argv = list(args)
+    runpy.run_path(args[0], run_name='__main__')
+
+
+def command(env: dict) -> list[str]:
+  """The words that run a Python command warm in place of `python`, for processes whose
+  environment is `env`: its server is started on first use (this process's own, ended with it)."""
+  key = json.dumps(sorted((k, v) for k, v in env.items() if k not in READ_LATER))
+  if key not in _servers:
+    _servers[key] = _start(env)
+  return [sys.executable, '-S', CLIENT, _servers[key]]
+
+
+def _start(env: dict) -> str:
+  """A server for `env`'s commands: its socket, once it listens."""
+  directory = tempfile.mkdtemp(prefix='lmlm-warm-python-')
+  path = os.path.join(directory, 'socket')
+  with open(os.path.join(directory, 'log'), 'w') as log:
+    process = subprocess.Popen([sys.executable, '-m', 'tests.warm_python', path], cwd=ROOT,
+                               env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+  atexit.register(_stop, process, directory)
+  deadline = time.monotonic() + 120
+  while not os.path.exists(path):
+    assert process.poll() is None and time.monotonic() < deadline, (
+        f'the warm python did not start: {open(os.path.join(directory, "log")).read()[-2000:]}')
+    time.sleep(0.05)
+  return path
+
+
+def _stop(process: subprocess.Popen, directory: str) -> None:
+  process.terminate()
+  process.wait()
+  shutil.rmtree(directory, ignore_errors=True)
+
+
+_servers: dict[str, str] = {}   # an environment's key -> the socket of its server
+
+
+if __name__ == '__main__':
+  before = dict(os.environ)
+  preload()
+  served = serve(sys.argv[1], before)
+  become(served, before)
+  run(served)
