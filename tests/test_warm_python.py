@@ -37,8 +37,8 @@ def _probe(tmp_path):
 
 def _both(args, cwd, env):
   """(stdout, stderr, exit code) of `python ARGS` warm and in a new interpreter."""
-  return [subprocess.run(prefix + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-          for prefix in (warm_python.command(env), [sys.executable])]
+  return [subprocess.run(prefix + args, cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=120) for prefix in (warm_python.command(env), [sys.executable])]
 
 
 def test_a_script_and_a_module_run_warm_as_a_new_interpreter_runs_them(tmp_path):

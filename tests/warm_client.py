@@ -39,11 +39,11 @@ def main(path: str, args: list[str]) -> None:
   try:
     sent = socket.send_fds(conn, [data], [0, 1, 2])
     conn.sendall(data[sent:])
-  except OSError:   # a server that stops reads no more
-    pass
-  reply = _receive(conn)
+    reply = _receive(conn)
+  except OSError:   # a stream this process lacks, or a server that stopped
+    reply = None
   if reply is None or 'refused' in reply:
-    if os.environ.get('WARM_PYTHON_SAYS'):
+    if os.environ.get('WARM_PYTHON_SAYS'):   # why it runs in a new interpreter, for a test's author
       print(f'warm python: {reply}', file=sys.stderr)
     conn.close()
     _python(args)
@@ -55,7 +55,6 @@ def main(path: str, args: list[str]) -> None:
   if reply is None:   # the server died with the child
     os._exit(1)
   status = reply['status']
-  sys.stdout.flush()
   if os.WIFSIGNALED(status):
     signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
     os.kill(os.getpid(), os.WTERMSIG(status))

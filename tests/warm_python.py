@@ -35,9 +35,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT = os.path.join(ROOT, 'tests', 'warm_client.py')
-# Variables read after the imports (by the command itself, or by XLA when its backend starts) or
-# by the shell only: they may differ between the server and a command it serves.
-READ_LATER = frozenset({'XLA_FLAGS', 'PWD', 'OLDPWD', 'SHLVL', '_'})
+# Variables read after the imports (by the command itself, or by XLA when its backend starts), by
+# the shell or by the client only (WARM_PYTHON_SAYS=1: a refused command says why, on its stderr):
+# they may differ between the server and a command it serves.
+READ_LATER = frozenset({'XLA_FLAGS', 'PWD', 'OLDPWD', 'SHLVL', '_', 'WARM_PYTHON_SAYS'})
 HEADER = 8   # bytes of a message's length, before its JSON
 ON = os.environ.get('SUITE_WARM_PYTHON', '1') != '0'   # SUITE_WARM_PYTHON=0: every command anew
 
@@ -53,7 +54,7 @@ WHERE_INSTALLED = ('jax_plugins.xla_cuda12',)
 
 
 def preload() -> None:
-  from train import imports   # flax.nnx without IPython, as main.py imports it (the rule's one place)
+  from train import imports   # flax.nnx without IPython, as main.py has it (the rule's one place)
   imports.flax_nnx()
   for module in PRELOADED:
     importlib.import_module(module)
@@ -75,8 +76,12 @@ def refusal(request: dict, started: dict) -> str | None:
 
 
 def send(conn: socket.socket, message: dict) -> None:
+  """`message` to a client, unless it is gone (killed: its child goes too, when its end closes)."""
   data = json.dumps(message).encode()
-  conn.sendall(len(data).to_bytes(HEADER, 'big') + data)
+  try:
+    conn.sendall(len(data).to_bytes(HEADER, 'big') + data)
+  except OSError:
+    pass
 
 
 def receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
@@ -105,8 +110,14 @@ def serve(path: str, started: dict) -> dict:
     for key, _ in selector.select(timeout=1.0):
       if key.data == 'accept':
         conn, _ = listener.accept()
-        request, fds = receive(conn)
-        reason = refusal(request, started) if request is not None and len(fds) == 3 else 'a torn request'
+        conn.settimeout(30)   # a client that sends nothing holds up no one for long
+        try:
+          request, fds = receive(conn)
+        except OSError:
+          request, fds = None, []
+        conn.settimeout(None)
+        torn = request is None or len(fds) != 3
+        reason = 'a torn request' if torn else refusal(request, started)
         if reason:
           send(conn, {'refused': reason})
           conn.close()
@@ -145,6 +156,7 @@ def serve(path: str, started: dict) -> dict:
         conn.close()
   for pid, _ in children.values():
     os.kill(pid, signal.SIGKILL)
+  shutil.rmtree(os.path.dirname(path), ignore_errors=True)   # its parent did not live to
   sys.exit(0)
 
 
@@ -159,7 +171,7 @@ def become(request: dict, started: dict) -> None:
   os.environ.clear()
   os.environ.update({**added, **request['env']})
   import numpy
-  numpy.random.seed()   # a new interpreter's global generators are seeded anew (random's is at fork)
+  numpy.random.seed()   # seeded anew, as in a new interpreter (random's own is, at the fork)
 
 
 def run(request: dict) -> None:
@@ -167,7 +179,8 @@ def run(request: dict) -> None:
   args = request['args']
   if args[0] == '-m':
     sys.path[0] = os.getcwd()
-    sys.modules.pop(args[1], None)   # imported by what the server imported: run anew, as `python`'s
+    if not hasattr(sys.modules.get(args[1]), '__path__'):   # a package runs its __main__
+      sys.modules.pop(args[1], None)   # imported by what the server imported: run anew, as python's
     sys.argv = [args[1]] + args[2:]   # runpy puts the module's file in argv[0]
     runpy.run_module(args[1], run_name='__main__', alter_sys=True)
   else:
