@@ -45,8 +45,9 @@ def python(env: dict | None = None) -> list[str]:
   process begins with, or a new interpreter where SUITE_WARM_PYTHON=0. A test that kills its
   process with SIGKILL, or asks what a new interpreter has imported, starts `sys.executable`."""
   from tests import warm_python
-  return warm_python.command(child_environ() if env is None else env) if warm_python.ON else [
-      sys.executable]
+  if not warm_python.ENABLED:
+    return [sys.executable]
+  return warm_python.command(child_environ() if env is None else env)
 
 
 def tiny_config(**overrides):

@@ -174,7 +174,7 @@ def _run_block(guide: str, block: dict, directory, directive: list[str]) -> str:
     if name and not os.path.exists(os.path.join(directory, FIXTURE_PATHS[name])):
       FIXTURES[name](str(directory))
   script = ['set -euo pipefail', 'pids=()']
-  python = warm_python.command(env) if warm_python.ON else [sys.executable]
+  python = warm_python.command(env) if warm_python.ENABLED else [sys.executable]
   script += [_shell_line(c, directive, python) for c in commands(block['body'])]
   script += ['for p in "${pids[@]}"; do wait "$p"; done']
   result = subprocess.run(['bash', '-c', '\n'.join(script)], cwd=directory, env=env,

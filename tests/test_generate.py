@@ -94,7 +94,8 @@ def test_the_old_command_names_still_run_the_programs(tmp_path):
   for old in ('train.generate', 'train.evaluate', 'train.export_hf'):
     args = [f'--workdir={tmp_path}/none'] + (['--prompt=x'] if old == 'train.generate' else
                                              ['--out=x'] if old == 'train.export_hf' else [])
-    done = subprocess.run([*python(os.environ), '-m', old, *args], capture_output=True, text=True,
-                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=300)
+    env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+    done = subprocess.run([*python(env), '-m', old, *args], capture_output=True, text=True,
+                          env=env, timeout=300)
     assert done.returncode != 0 and 'error:' in done.stderr and f'{tmp_path}/none' in done.stderr, (
         old, done.returncode, done.stderr[-2000:])

@@ -255,7 +255,8 @@ def test_a_process_killed_with_sigkill_stops_the_other_in_bounded_time_and_both_
   from tests.test_faults import wait_for_step
   corpus = small_corpus(tmp_path)
   workdir = tmp_path / 'two'
-  args = [a for a in main_args(workdir, corpus, fresh=True) if not a.startswith('--config.train.steps')]
+  args = [a for a in main_args(workdir, corpus, fresh=True)
+          if not a.startswith('--config.train.steps')]
   args += ['--config.train.steps=16', '--config.train.checkpoint_every=4', '--host_devices=4',
            '--num_processes=2', '--coordinator_timeout=60', f'--peer_timeout={PEER_TIMEOUT}']
   # 16 steps: a kill that lands a checkpoint late (at 8, then 12 on a busy machine) still leaves one

@@ -52,12 +52,11 @@ def test_an_operation_on_a_slice_of_a_stack_moves_only_the_slice():
 
 
 def test_the_pieces_are_timed_in_both_libraries(tmp_path):
-  out = tmp_path / 'pieces.json'
+  out, env = tmp_path / 'pieces.json', {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   result = subprocess.run(
-      [*python(os.environ), '-m', 'bench.studies.pieces', '--shape=small', '--only=rmsnorm|adamw',
+      [*python(env), '-m', 'bench.studies.pieces', '--shape=small', '--only=rmsnorm|adamw',
        '--repeats=1', f'--out={out}'],
-      cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+      cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   rows = {r['piece']: r for r in json.loads(out.read_text())['rows']}
   assert set(rows) == {'rmsnorm fwd+bwd', 'adamw + clipping, all weights'}

@@ -15,11 +15,14 @@ PROBE = textwrap.dedent('''\
     import json, os, sys
     warm = 'jax' in sys.modules   # before anything here imports it
     print(json.dumps(dict(argv=sys.argv, path0=sys.path[0], cwd=os.getcwd(), name=__name__,
-                          x=os.environ.get('PROBE_X'), xla=os.environ.get('XLA_FLAGS'))))
+                          file=__file__, x=os.environ.get('PROBE_X'),
+                          xla=os.environ.get('XLA_FLAGS'))))
     print(json.dumps(dict(warm=warm)), file=sys.stderr)
     if len(sys.argv) > 1 and sys.argv[1] == 'raise':
       raise ValueError('the probe failed on purpose')
     if len(sys.argv) > 1 and sys.argv[1] == 'wait':
+      import signal
+      signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))   # its own answer to a SIGTERM
       open('started', 'w').write(str(os.getpid()))
       import time
       time.sleep(60)
@@ -50,6 +53,7 @@ def test_a_script_and_a_module_run_warm_as_a_new_interpreter_runs_them(tmp_path)
     seen = json.loads(warm.stdout)
     assert seen['name'] == '__main__' and seen['x'] == 'x' and seen['xla'] == '--xla_dump_to=x'
     assert seen['cwd'] == str(tmp_path) and seen['path0'] == str(tmp_path)
+    assert os.path.isabs(seen['file'])
 
 
 def test_an_uncaught_exception_exits_one_with_its_traceback(tmp_path):
@@ -90,8 +94,10 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_signal_to_the_client_reaches_the_command_and_a_kill_kills_it(tmp_path):
+  """SIGTERM reaches the command, whose handler exits 7; SIGKILL cannot be passed on, and the
+  server kills the command when the client's end closes."""
   env = _probe(tmp_path)
-  for sent, code in ((signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)):
+  for sent, code in ((signal.SIGTERM, 7), (signal.SIGKILL, -signal.SIGKILL)):
     client = subprocess.Popen(warm_python.command(env) + ['probe.py', 'wait'], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child = _started(tmp_path, client)
