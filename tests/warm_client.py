@@ -60,9 +60,8 @@ def main(path: str, args: list[str]) -> None:
       os.kill(pid, number)
     except ProcessLookupError:   # it has ended: its status is on the way
       pass
-  for number in PASSED_ON:
-    if number not in ignored:
-      signal.signal(number, pass_on)
+  for number in PASSED_ON:   # ignored here or not: the command, which may set its own, decides
+    signal.signal(number, pass_on)
   reply = _receive(conn)
   if reply is None:   # the server died with the child
     os._exit(1)
