@@ -63,6 +63,14 @@ def pytest_configure(config):
                        off_because=compile_cache.unserved())
 
 
+def pytest_xdist_make_scheduler(config, log):
+  """Work stealing that hands tests over at a file's edge (tests/scheduling.py says why)."""
+  if config.getvalue("dist") == "worksteal":
+    from tests.scheduling import FileEdgeStealing
+    return FileEdgeStealing(config, log)
+  return None
+
+
 def pytest_unconfigure(config):
   if hasattr(config, "suite_cache"):
     shutil.rmtree(config.suite_cache, ignore_errors=True)

@@ -1,6 +1,9 @@
 """A pytest plugin (`-p jaxtimes`, with tests/census on PYTHONPATH): per test, the worker's CPU
 seconds, JAX's compile events, the test's start time and its worker, appended to $SUITE_CENSUS as
-sitecustomize.py does for the processes a test starts."""
+sitecustomize.py does for the processes a test starts; and the CPU of the worker's children
+reaped during the test (`children_cpu_s`, RUSAGE_CHILDREN: processes killed by a signal, ptxas,
+Ray's and Inductor's workers, which write no line of their own, but also a warm-Python server
+stopped then with all it served, so a file's figure is not its own alone)."""
 import collections
 import json
 import os
@@ -33,8 +36,8 @@ def _record_compiles():
   compiler.backend_compile_and_load = keyed
 
 
-def _cpu() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
+def _cpu(who=resource.RUSAGE_SELF) -> float:
+  usage = resource.getrusage(who)
   return usage.ru_utime + usage.ru_stime
 
 
@@ -48,10 +51,11 @@ def pytest_runtest_protocol(item, nextitem):
     _record_compiles()
   _EVENTS.clear()
   _COMPILES.clear()
-  cpu, start = _cpu(), time.time()
+  cpu, children, start = _cpu(), _cpu(resource.RUSAGE_CHILDREN), time.time()
   yield
   with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
     f.write(json.dumps({'kind': 'test', 'test': item.nodeid, 'cpu_s': _cpu() - cpu,
+                        'children_cpu_s': _cpu(resource.RUSAGE_CHILDREN) - children,
                         'wall_s': time.time() - start, 'events_s': dict(_EVENTS),
                         'start': start, 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main'),
                         'compiles': list(_COMPILES)})
