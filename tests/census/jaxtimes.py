@@ -41,9 +41,27 @@ def _cpu(who=resource.RUSAGE_SELF) -> float:
   return usage.ru_utime + usage.ru_stime
 
 
+def _record_servers():
+  """Wraps the warm Python's stop (tests/warm_python.py) so that each server stopped writes the
+  CPU of its whole subtree, itself and every command it served, which its reaping adds to this
+  worker's RUSAGE_CHILDREN: the servers are ended by SIGTERM and write no line of their own."""
+  from tests import warm_python
+  stop = warm_python._stop
+
+  def measured(process, directory):
+    before, start = _cpu(resource.RUSAGE_CHILDREN), time.time()
+    stop(process, directory)
+    with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
+      f.write(json.dumps({'kind': 'server', 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main'),
+                          'subtree_cpu_s': _cpu(resource.RUSAGE_CHILDREN) - before,
+                          'at': start}) + '\n')
+  warm_python._stop = measured
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   if not _LISTENING:
+    _record_servers()
     from jax._src import monitoring
     monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **_: _EVENTS.update({event: seconds}))

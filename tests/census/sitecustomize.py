@@ -32,9 +32,17 @@ monitoring.register_event_duration_secs_listener(_listen)
 
 @atexit.register
 def _write() -> None:
-  if 'pytest' in sys.modules:   # the suite's own processes: jaxtimes.py measures them per test
-    return
   usage = resource.getrusage(resource.RUSAGE_SELF)
+  if 'pytest' in sys.modules:   # the suite's own processes: jaxtimes.py measures them per test;
+    # here their whole life, and all they reaped (registered first, this runs last of the exit's
+    # handlers: after the warm servers are stopped)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
+      f.write(json.dumps({'kind': 'pytest', 'worker': os.environ.get('PYTEST_XDIST_WORKER', 'main'),
+                          'cpu_s': usage.ru_utime + usage.ru_stime,
+                          'children_cpu_s': children.ru_utime + children.ru_stime,
+                          'wall_s': time.time() - _START}) + '\n')
+    return
   with open(os.environ.get('SUITE_CENSUS', '/tmp/suite-census.jsonl'), 'a') as f:
     f.write(json.dumps({'kind': 'process', 'argv': sys.argv[:12],
                         'test': os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0],
