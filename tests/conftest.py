@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # read when jax is imported, as the next switch is
 os.environ.pop("JAX_ENABLE_COMPILATION_CACHE", None)   # JAX's own switch: on
@@ -63,6 +65,7 @@ def pytest_configure(config):
                        off_because=compile_cache.unserved())
 
 
+@pytest.hookimpl(optionalhook=True)   # xdist's hook: known where xdist is installed
 def pytest_xdist_make_scheduler(config, log):
   """Work stealing that hands tests over at a file's edge (tests/scheduling.py says why)."""
   if config.getvalue("dist") == "worksteal":
