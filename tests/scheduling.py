@@ -19,14 +19,14 @@ class FileEdgeStealing(WorkStealingScheduling):
   """WorkStealingScheduling whose hand-overs start at a test file's first test where they can."""
 
   def _edge_near(self, indices: list[int], want: int, low: int) -> int:
-    """The position in `indices` (collection indices, in order), from `low` to the last, nearest
-    `want` where a file begins; `want` if none begins there."""
+    """The position in `indices` (collection indices, in the order they are queued), from `low` to
+    the last, nearest `want` where a file begins; `want` if none begins there."""
     files = [_file(self.collection[i]) for i in indices]
     edges = [k for k in range(max(low, 1), len(files)) if files[k] != files[k - 1]]
     return min(edges, key=lambda k: abs(k - want)) if edges else want
 
   def _send_tests(self, node, num: int) -> None:
-    # The first split (and any other share of the unassigned tests) ends where a file ends.
+    # Any share of the unassigned tests but the last (the first split among them) ends at a file's end.
     if 0 < num < len(self.pending):
       num = self._edge_near(self.pending, num, low=1)
     super()._send_tests(node, num)
