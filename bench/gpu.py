@@ -116,7 +116,8 @@ def _claim(runner, directory: str, smoke: bool, device: dict) -> dict:
   if read_json(bench_path) is None:
     code, error = runner.run_logged(
         [sys.executable, '-m', 'bench.train_step', f'--config={plan["config"]}',
-         f'--steps={claim["steps"]}', '--warmup=1', f'--out={bench_path}'], log, env)
+         f'--steps={claim["steps"]}', '--warmup=1', *(['--matmul_size=256'] if smoke else []),
+         f'--out={bench_path}'], log, env)
     if code:
       return {**out, 'status': 'failed', 'error': error}
   bench = read_json(bench_path)

@@ -8,8 +8,9 @@ results) and the config overrides that make it. Sweep files build them with four
 
 An override key is a dotted config key (`train.seed`, `mesh.fsdp`), or `config` (the config file
 and preset, `configs/fsdp.py:7b`), `target` (with command `plan` or `dry_run`: `--target`; a dry run
-then compiles for that GPU with XLA:GPU), or `bench_steps` /
-`bench_warmup` (with command `bench`: bench.train_step's `--steps` / `--warmup`).
+then compiles for that GPU with XLA:GPU), or `bench_steps` / `bench_warmup` /
+`bench_matmul_size` (with command `bench`: bench.train_step's `--steps` / `--warmup` /
+`--matmul_size`, the side of the matmul its MFU is measured against).
 """
 import dataclasses
 import itertools
@@ -17,7 +18,7 @@ import re
 
 # Override keys that are command-line flags, not config keys: key -> the flag it sets.
 FLAG_KEYS = {'config': '--config', 'target': '--target', 'bench_steps': '--steps',
-             'bench_warmup': '--warmup'}
+             'bench_warmup': '--warmup', 'bench_matmul_size': '--matmul_size'}
 
 
 class SweepError(ValueError):

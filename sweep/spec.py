@@ -167,12 +167,12 @@ def check(sweep: Sweep) -> None:
   for point in [*sweep.before.values(), *sweep.points]:
     config = config_of(sweep, point)
     command = 'train' if point.labels.get('before') else sweep.command
-    for key in ('bench_steps', 'bench_warmup'):
+    for key, least in (('bench_steps', 1), ('bench_warmup', 0), ('bench_matmul_size', 1)):
       value = sweep.settings(point)[1].get(key)
       if value is not None and (command != 'bench' or isinstance(value, bool)
-                                or not isinstance(value, int) or value < (key == 'bench_steps')):
-        raise SweepError(f'point {point.name}: {key}={value!r}; it is a whole number (steps at '
-                         f'least 1, warm-up at least 0) for command bench only')
+                                or not isinstance(value, int) or value < least):
+        raise SweepError(f'point {point.name}: {key}={value!r}; it is a whole number (steps and '
+                         f'the matmul size at least 1, warm-up at least 0) for command bench only')
     target = sweep.settings(point)[1].get('target')
     if target is not None and command not in ('plan', 'dry_run'):
       raise SweepError(f'point {point.name}: target={target!r} goes with command plan or dry_run '

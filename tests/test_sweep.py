@@ -2,6 +2,7 @@
 their own processes with a failure recorded and the rest going on, resume, Ctrl-C, and the
 results (CSV, markdown, PNG) of a tiny training sweep end to end."""
 import csv
+import glob
 import json
 import os
 import signal
@@ -101,6 +102,7 @@ def test_bad_sweep_files_are_refused_in_one_line(tmp_path, body, message):
     ("axis('mesh.data', [3])", r"point data=3: mesh \{.*\} cannot fill 8 devices"),
     ("axis('precision', ['fp64'])", "point precision=fp64: .*fp64"),
     ("axis('bench_steps', [5])", "point bench_steps=5: bench_steps=5; .* for command bench only"),
+    ("axis('bench_matmul_size', [256])", "point bench_matmul_size=256: .* for command bench only"),
 ])
 def test_a_point_the_config_checks_refuse_stops_the_sweep_before_it_runs(tmp_path, point, message):
   path = _sweep_file(tmp_path, f"""
@@ -312,7 +314,10 @@ def test_a_torn_line_leaves_the_rest_of_a_points_rows(tmp_path):
 
 
 @pytest.mark.parametrize('command, point, metrics', [
-    ('bench', "axis('precision', ['bf16_mixed'])", ('tokens_per_sec', 'mfu', 'compiled_gb')),
+    # The MFU of a bench point against a 256^2 matmul's rate (bench_matmul_size): bench.train_step's
+    # own 2048^2, measured twice for bf16 compute, would be half of the point's CPU here.
+    ('bench', "product(axis('precision', ['bf16_mixed']), axis('bench_matmul_size', [256]))",
+     ('tokens_per_sec', 'mfu', 'compiled_gb')),
     ('plan', "axis('target', ['1xRTX4090-24GB'])", ('plan_step_s', 'plan_compiled_gb')),
 ])
 def test_bench_and_plan_points_report_their_figures(tmp_path, command, point, metrics):
@@ -327,6 +332,9 @@ def test_bench_and_plan_points_report_their_figures(tmp_path, command, point, me
   for metric in metrics:
     assert float(row[metric]) > 0, (metric, row)
   assert (row['plan_recipe'] != '') == (command == 'plan')
+  if command == 'bench':   # the key reached bench.train_step as its flag
+    [bench] = glob.glob(str(tmp_path / 'w' / 'runs' / '*' / 'bench.json'))
+    assert json.load(open(bench))['matmul_size'] == 256
 
 
 def test_a_sweep_file_that_raises_is_reported_in_one_line(tmp_path):
