@@ -96,6 +96,24 @@ def test_merged_logits_equal_the_adapted_logits(base_format):
   np.testing.assert_allclose(np.asarray(merged(tokens)), adapted, rtol=2e-5, atol=2e-5)
 
 
+def test_a_specs_abstract_model_is_what_it_builds_traced_once(monkeypatch):
+  """ModelSpec.abstract: the shapes `build` makes (QLoRA's quantized parts included), a new module
+  each call (a caller may change its own), from one trace of `build` per spec."""
+  from train import state
+  spec = ModelSpec(checks.model_config(tiny_config()), POLICIES['bf16_mixed'], 0, LoraSpec(4, 8.0),
+                   'nf4')
+  params, frozen = jax.eval_shape(lambda: spec.split(spec.build())[1:])
+  shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+  builds, build = [], ModelSpec.build
+  monkeypatch.setattr(ModelSpec, 'build', lambda self, *a, **k: builds.append(1) or build(self))
+  state._abstract_split.cache_clear()
+  first, second = spec.abstract(), spec.abstract()
+  assert shapes(spec.abstract_parts()) == shapes((params, frozen))
+  assert spec.sizes() == (sum(x.size for x in jax.tree.leaves(params)),
+                          sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)))
+  assert first is not second and len(builds) == 1
+
+
 def test_a_merge_keeps_an_update_below_half_a_bf16_step_of_a_bf16_base():
   """The export's merge is computed in fp32 and stored in the export's dtype: a bf16 base's kernel
   plus an update far below half its bf16 step comes out exactly as their fp32 sum."""

@@ -17,7 +17,7 @@ def merged_params(config, params: dict, frozen: dict, dtype: str = 'float32') ->
   export's) and every LSQ kernel on its learned grid (a pure dict): the weights the run's forward
   pass multiplies by."""
   spec = checks.model_spec(config)
-  graphdef = nnx.split(nnx.eval_shape(spec.build), spec.trainable, ...)[0]
+  graphdef = nnx.split(spec.abstract(), spec.trainable, ...)[0]
   merged = merge(nnx.merge(graphdef, params, frozen), jnp.dtype(dtype))
   model = bake_learned_grid(dequantize_weights(merged))
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))

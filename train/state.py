@@ -16,6 +16,7 @@ ZeRO-3 the parameters, are padded once, when created; only the model sees the tr
 train step cuts the padding off inside the loss, and the padding's gradient is zero).
 """
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -67,14 +68,32 @@ class ModelSpec:
     frozen = jax.tree.map_with_path(self._frozen_dtype, nnx.to_pure_dict(rest))
     return graphdef, nnx.to_pure_dict(params), _merge_trees(frozen, nnx.to_pure_dict(quantized))
 
+  def abstract(self) -> Transformer:
+    """The built model as shapes (nothing allocated): a new module each call, from one trace of
+    `build` per spec in this process (a QLoRA spec's quantizing build is ~0.5 s of tracing, and a
+    run's set-up asks for it half a dozen times)."""
+    return nnx.merge(*_abstract_split(self))
+
+  def abstract_parts(self) -> tuple[dict, dict]:
+    """`split`'s (trainable, frozen) as shapes: what `split(build())` makes, nothing allocated."""
+    graphdef, state = _abstract_split(self)
+    return jax.eval_shape(lambda state: self.split(nnx.merge(graphdef, state))[1:], state)
+
   def sizes(self) -> tuple[int, int]:
     """(values that train, bytes of the frozen base), from abstract shapes: nothing is allocated."""
-    params, frozen = jax.eval_shape(lambda: self.split(self.build())[1:])
+    params, frozen = self.abstract_parts()
     return (sum(x.size for x in jax.tree.leaves(params)),
             sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(frozen)))
 
   def _frozen_dtype(self, path, leaf):
     return leaf.astype(self.policy.compute_dtype) if is_matrix_weight(path) else leaf
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_split(spec: ModelSpec):
+  """(graphdef, state) of `spec.build()` traced abstractly. The state's leaves are shapes with no
+  sharding (the model places nothing itself), so one trace serves every mesh."""
+  return nnx.split(nnx.eval_shape(spec.build))
 
 
 def _merge_trees(a: dict, b: dict) -> dict:
@@ -142,8 +161,7 @@ def block_axis(sharding) -> int:
 
 def moment_block_axes(spec: ModelSpec, mesh: Mesh, rules: LayoutRules):
   """Per parameter, the dimension its 8-bit moments are blocked from (optim/adam8bit.py)."""
-  abstract_model = nnx.eval_shape(spec.build)
-  axes = logical_axes_tree(nnx.split(abstract_model, spec.trainable, ...)[1])
+  axes = logical_axes_tree(nnx.split(spec.abstract(), spec.trainable, ...)[1])
   return jax.tree.map(block_axis, shardings_for(axes, mesh, rules.optimizer))
 
 
@@ -172,8 +190,7 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
   divide (the ZeRO axis's uneven splits are padded). `host_optimizer`, `host_frozen`: the
   optimizer's state, or the frozen base, lives in (pinned) host memory, sharded as it would be
   on the devices."""
-  abstract_model = nnx.eval_shape(spec.build)
-  graphdef, abstract_params, abstract_rest = nnx.split(abstract_model, spec.trainable, ...)
+  graphdef, abstract_params, abstract_rest = nnx.split(spec.abstract(), spec.trainable, ...)
   axes = logical_axes_tree(abstract_params)
   params_sharding = shardings_for(axes, mesh, rules.params)
   grad_sharding = shardings_for(axes, mesh, rules.grads)
@@ -184,15 +201,15 @@ def state_layout(spec: ModelSpec, tx: optax.GradientTransformation, mesh: Mesh,
 
   update_shapes = Shapes.of(padded_abstract(shapes, moment_sharding))
 
-  def init():
-    _, params, frozen = spec.split(spec.build())
+  def state_of(params, frozen):
     state = {'step': jax.numpy.zeros((), jax.numpy.int32), 'params': params,
              'opt_state': tx.init(update_shapes.fit(params)), 'loss_scale': init_loss_scale()}
     if frozen:
       state['frozen'] = frozen
     return state
 
-  true = jax.eval_shape(init)
+  init = lambda: state_of(*spec.split(spec.build())[1:])
+  true = jax.eval_shape(state_of, *spec.abstract_parts())
   whole = replicated(mesh)
   # A multi_transform (fp8 histories beside Adam) leaves MaskedNode where a transform does not apply.
   masked = lambda x: isinstance(x, optax.MaskedNode)
