@@ -58,8 +58,12 @@ def tiny_config(**overrides):
   return config
 
 
+def tiny_model_config(**model_overrides) -> ModelConfig:
+  return ModelConfig.from_config({**tiny_config().model.to_dict(), **model_overrides})
+
+
 def tiny_model(precision: str = 'fp32', seed: int = 0, **model_overrides):
-  cfg = ModelConfig.from_config({**tiny_config().model.to_dict(), **model_overrides})
+  cfg = tiny_model_config(**model_overrides)
   return cfg, build_model(cfg, get_policy(precision), seed)
 
 

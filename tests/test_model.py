@@ -7,7 +7,7 @@ from flax import nnx
 
 from models.layers import Attention, apply_rope, rope_tables
 from precision.policy import get_policy
-from tests.helpers import random_tokens, split_params, tiny_model
+from tests.helpers import random_tokens, split_params, tiny_model, tiny_model_config
 
 
 def test_changing_a_future_token_never_changes_an_earlier_logit():
@@ -15,7 +15,8 @@ def test_changing_a_future_token_never_changes_an_earlier_logit():
   tokens = random_tokens((2, 32))
   changed = tokens.copy()
   changed[:, 20] = (changed[:, 20] + 1) % 256
-  a, b = model(jnp.asarray(tokens)), model(jnp.asarray(changed))
+  logits = jax.jit(lambda t: model(t))   # one compile, not one per operation
+  a, b = logits(jnp.asarray(tokens)), logits(jnp.asarray(changed))
   np.testing.assert_array_equal(a[:, :20], b[:, :20])
   assert not np.allclose(a[:, 20:], b[:, 20:])
 
@@ -53,7 +54,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
-  cfg, _ = tiny_model()
+  cfg = tiny_model_config()
   grouped_cfg = cfg.__class__(**{**cfg.__dict__, 'num_heads': 4, 'num_kv_heads': 2})
   full_cfg = cfg.__class__(**{**cfg.__dict__, 'num_heads': 4, 'num_kv_heads': 4})
   policy = get_policy('fp32')
@@ -67,7 +68,8 @@ def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
   full.value.kernel[...] = jnp.repeat(grouped.value.kernel[...], group, axis=1)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, cfg.d_model)), jnp.float32)
   cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(12), (2, 12)), cfg.head_dim, cfg.rope_theta)
-  np.testing.assert_allclose(grouped(x, cos, sin), full(x, cos, sin), rtol=1e-5, atol=1e-6)
+  attend = nnx.jit(lambda attention: attention(x, cos, sin))
+  np.testing.assert_allclose(attend(grouped), attend(full), rtol=1e-5, atol=1e-6)
   assert grouped.key.kernel.shape == (cfg.d_model, 2, cfg.head_dim)
 
 
@@ -91,7 +93,7 @@ def test_layers_are_stacked_on_a_leading_layers_axis():
 
 
 def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
-  cfg, _ = tiny_model()
+  cfg = tiny_model_config()
   matmul = cfg.num_layers * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   matmul += cfg.vocab_size * cfg.d_model
   assert cfg.flops_per_token(64) == 6 * matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 64
@@ -105,7 +107,7 @@ def test_remat_policies_give_the_same_gradients(remat):
 
   def grads_of(model):
     graphdef, params = split_params(model)
-    return jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean())(params)
+    return jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).mean()))(params)
 
   reference = grads_of(tiny_model()[1])
   rematted = grads_of(tiny_model(remat=remat)[1])
