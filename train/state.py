@@ -91,9 +91,12 @@ class ModelSpec:
 
 @functools.lru_cache(maxsize=32)
 def _abstract_split(spec: ModelSpec):
-  """(graphdef, state) of `spec.build()` traced abstractly. The state's leaves are shapes with no
-  sharding (the model places nothing itself), so one trace serves every mesh."""
-  return nnx.split(nnx.eval_shape(spec.build))
+  """(graphdef, state) of `spec.build()` traced abstractly, its leaves shapes and dtypes only: a
+  trace under a mesh gives them that mesh's (replicated) placement, which must not reach a caller
+  under another mesh (the callers derive every placement from the logical axes)."""
+  graphdef, state = nnx.split(nnx.eval_shape(spec.build))
+  return graphdef, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type), state)
 
 
 def _merge_trees(a: dict, b: dict) -> dict:
