@@ -137,7 +137,7 @@ def _regroup(blocks: jax.Array, stage: np.ndarray, local: np.ndarray,
   P, k = stage.shape
   present = np.ones((P, k), bool) if present is None else present
   hops = np.where(present, np.arange(P)[:, None] - stage, 0)   # > 0: from a stage before
-  slots = [jnp.zeros_like(blocks[:, 0]) for _ in range(k)]
+  slots = jnp.zeros((P, k) + blocks.shape[2:], blocks.dtype)
   slots = _arrive(slots, blocks, jnp.asarray(present & (hops == 0)), local)
   for direction in (1, -1):
     far = int((direction * hops[present]).max(initial=0))
@@ -151,21 +151,19 @@ def _regroup(blocks: jax.Array, stage: np.ndarray, local: np.ndarray,
       return (transit, _arrive(slots, transit, arrive, local)), None
 
     slots = jax.lax.scan(hop, (blocks, slots), arrivals)[0][1]
-  return jnp.stack(slots, axis=1)
+  return slots
 
 
-def _arrive(slots: list, blocks: jax.Array, arrive: jax.Array, local: np.ndarray) -> list:
-  """`slots` (k arrays [P, ...]) with row p's slot i set to `blocks[p, local[p, i]]` where
-  `arrive[p, i]` (selects: each row picks its own block)."""
-  rows = lambda mask: mask.reshape(mask.shape[0], *(1,) * (blocks.ndim - 2))
-  out = []
-  for i, slot in enumerate(slots):
-    picked = blocks[:, 0]
-    for j in range(1, blocks.shape[1]):
-      if (local[:, i] == j).any():
-        picked = jnp.where(rows(jnp.asarray(local[:, i] == j)), blocks[:, j], picked)
-    out.append(jnp.where(rows(arrive[:, i]), picked, slot))
-  return out
+def _arrive(slots: jax.Array, blocks: jax.Array, arrive: jax.Array, local: np.ndarray) -> jax.Array:
+  """`slots` [P, k, ...] with row p's slot i set to `blocks[p, local[p, i]]` where `arrive[p, i]`:
+  selects over all k slots at once, one per stored block a slot takes (each row picks its own
+  block, so nothing crosses a stage; a select per slot and block made the trace k times longer)."""
+  rows = lambda mask: mask.reshape(*mask.shape, *(1,) * (blocks.ndim - 2))
+  picked = jnp.broadcast_to(blocks[:, :1], slots.shape)
+  for j in range(1, blocks.shape[1]):
+    if (local == j).any():
+      picked = jnp.where(rows(jnp.asarray(local == j)), blocks[:, j:j + 1], picked)
+  return jnp.where(rows(arrive), picked, slots)
 
 
 def _blocks(num_layers: int, chunks: int, depth: int) -> tuple[int, ...]:
