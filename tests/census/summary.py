@@ -28,7 +28,8 @@ def main(path: str) -> None:
     rows = [json.loads(line) for line in f]
   by_file = collections.defaultdict(lambda: {'test': [], 'process': []})
   for row in rows:
-    by_file[row['test'].split('::')[0]][row['kind']].append(row)
+    if row['kind'] in ('test', 'process'):   # the pytest and server rows are whole lives
+      by_file[row['test'].split('::')[0]][row['kind']].append(row)
   print(f'{"":42} {"tests (s)":^34} | {"processes they started (s)":^40}')
   print(f'{"file":42} ' + ' '.join(f'{c:>6}' for c in COLUMNS) + f' | {"n":>3} '
         + ' '.join(f'{c:>6}' for c in COLUMNS))
@@ -40,8 +41,24 @@ def main(path: str) -> None:
     own, started = totals(kinds['test']), totals(kinds['process'])
     print(f'{name[:42]:42} ' + ' '.join(f'{own[c]:6.0f}' for c in COLUMNS)
           + f' | {len(kinds["process"]):3d} ' + ' '.join(f'{started[c]:6.0f}' for c in COLUMNS))
+  _lives(rows)
   _worker_ends([r for r in rows if r['kind'] == 'test' and 'start' in r])
   _repeated_compiles([r for r in rows if r['kind'] == 'test' and 'compiles' in r])
+
+
+def _lives(rows) -> None:
+  """Each pytest process's whole CPU and what it reaped, and each warm server's subtree: the
+  CPU that no test's line holds is the difference."""
+  for row in rows:
+    if row['kind'] == 'pytest':
+      print(f'pytest {row["worker"]}: {row["cpu_s"]:.0f} CPU-s itself, {row["children_cpu_s"]:.0f} '
+            f'CPU-s in the processes it reaped, {row["wall_s"]:.0f} s of wall')
+  servers = collections.Counter()
+  for row in rows:
+    if row['kind'] == 'server':
+      servers[row['worker']] += row['subtree_cpu_s']
+  for worker, seconds in sorted(servers.items()):
+    print(f'warm servers of {worker}: {seconds:.0f} CPU-s, with the commands they served')
 
 
 def _worker_ends(tests) -> None:
