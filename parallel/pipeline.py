@@ -292,10 +292,10 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
     def run_chunk(weights, keys, valid, held, chunk_index, microbatch):
       """The chunk of layers the item is at (one of the stage's `repeats`)."""
       if R > 1:
-        weights, keys, valid = jax.tree.map(lambda w: w[chunk_index], (weights, keys, valid))
+        weights, keys, valid = jax.tree.map(lambda w: at(w, chunk_index), (weights, keys, valid))
       if keys is not None:   # a dropout mask per layer and microbatch
         keys = jax.vmap(lambda k: jax.random.fold_in(k, microbatch))(keys)
-      rows = jax.tree.map(lambda a: a[microbatch], micro_rows)
+      rows = jax.tree.map(lambda a: at(a, microbatch), micro_rows)
       return scan_chunk(layer, weights, held, keys, rows, valid=valid)
 
     if R > 1:
@@ -309,7 +309,7 @@ def pipelined(schedule: PipelineSchedule, gather_once: bool = False):
       """One stage at one iteration: file the activation held, take the one to work on, run it
       through the chunk of layers its item is at."""
       ring = jax.lax.dynamic_update_index_in_dim(ring, held, write, 0)
-      held = ring[read]
+      held = at(ring, read)
       return run_chunk(weights, keys, valid, held, chunk_index, microbatch), ring
 
     mapped = lambda a: None if a is None else 0
@@ -338,6 +338,13 @@ def on_stages(a: jax.Array) -> jax.Array:
   is contiguous); left to itself XLA moves the weights inside the loop, at every iteration."""
   return jax.lax.with_sharding_constraint(
       a, PartitionSpec(STAGE_AXIS, *(PartitionSpec.UNCONSTRAINED,) * (a.ndim - 1)))
+
+
+def at(a: jax.Array, index) -> jax.Array:
+  """`a[index]` for a traced `index` that the schedule's tables keep in [0, len(a)) (they hold no
+  negative slot, chunk or microbatch): one dynamic slice, without the compare, add and select that
+  `a[index]` traces to wrap a negative index, per leaf and per read in every program's loop."""
+  return jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
 
 
 def whole_on_stages(layers) -> list:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax.linen import logical_to_mesh_axes
 from jax.sharding import PartitionSpec
 
-from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, join_rows, on_stages, pipelined,
+from parallel.pipeline import (STAGE_AXIS, PipelineSchedule, at, join_rows, on_stages, pipelined,
                                scan_chunk, split_rows)
 from parallel.rules import REPLICATED, LayoutRules
 
@@ -185,7 +185,7 @@ class _Loop:
 
   def pick(self, a, index):
     """One chunk of a stage's [repeats, chunk, ...]."""
-    return a[0] if self.schedule.repeats == 1 else a[index]
+    return a[0] if self.schedule.repeats == 1 else at(a, index)
 
   def chunk_of(self, weight_leaves, stage_keys, valid, index, microbatch):
     """(the chunk's weights, its dropout keys, its microbatch's per-row inputs, its slots that run
@@ -219,7 +219,7 @@ class _Loop:
     return lambda trained: self.embed(self.embed_weights.with_trained(trained), rows_now)
 
   def tail_of(self, microbatch):
-    targets_now = self.micro_targets[microbatch]
+    targets_now = at(self.micro_targets, microbatch)
     return lambda trained, y: self.tail(self.tail_weights.with_trained(trained), y, targets_now,
                                         microbatch)
 
@@ -231,7 +231,7 @@ class _Loop:
     held = jnp.where(t['f_first'], first.astype(staged['forward_in'].dtype), staged['forward_in'])
     kept = staged['kept']
     staged['kept'] = jax.lax.dynamic_update_index_in_dim(
-        kept, jnp.where(t['f_valid'], held, kept[t['f_slot']]), t['f_slot'], 0)
+        kept, jnp.where(t['f_valid'], held, at(kept, t['f_slot'])), t['f_slot'], 0)
     return staged, self.chunk_forward(weight_leaves, stage_keys, valid, t['f_chunk'],
                                       t['f_micro'], held)
 
@@ -260,12 +260,12 @@ class _Loop:
     cotangent = jnp.where(t['b_first'], head_dy.astype(staged['backward_in'].dtype),
                           staged['backward_in'])
     d_weights, dx = self.chunk_backward(weight_leaves, stage_keys, valid, t['b_chunk'],
-                                        t['b_micro'], staged['kept'][t['b_slot']], cotangent)
+                                        t['b_micro'], at(staged['kept'], t['b_slot']), cotangent)
     grads = []
     for g, d, place in zip(staged['grads'], d_weights, self.place_grads[0]):
       d = jnp.where(t['b_valid'], d, 0).astype(g.dtype)
       grads.append(place(g + d[None] if self.schedule.repeats == 1 else
-                         jax.lax.dynamic_update_index_in_dim(g, g[t['b_chunk']] + d, t['b_chunk'],
+                         jax.lax.dynamic_update_index_in_dim(g, at(g, t['b_chunk']) + d, t['b_chunk'],
                                                              0)))
     return {**staged, 'grads': grads}, dx
 
@@ -340,7 +340,7 @@ class _Loop:
 
 
 def _take(tree, microbatch):
-  return jax.tree.map(lambda a: a[microbatch], tree)
+  return jax.tree.map(lambda a: at(a, microbatch), tree)
 
 
 def _in_stages(place):

@@ -34,7 +34,7 @@ from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec
 
 from parallel.in_place import when
-from parallel.pipeline import STAGE_AXIS, on_stages, scan_chunk, split_rows
+from parallel.pipeline import STAGE_AXIS, at, on_stages, scan_chunk, split_rows
 from parallel.pipeline_1f1b import (OneFOneB, _added, _in_stages, _take, _Trained,
                                     embedding_grads, embeds_after, placed_vocabulary)
 from parallel.rules import without_axis
@@ -310,7 +310,7 @@ class _StageLoop:
   def tick(self, carry, row, first, head_dy, head_micro):
     """What arrived filed into its slot (on the last stage, the head's gradient), the stage's
     action of the tick, then the sends."""
-    t = jax.tree.map(lambda a: a[self.me], row)
+    t = jax.tree.map(lambda a: at(a, self.me), row)
     slots = self.slots
     slot = t['micro'] % slots
     carry['inputs'] = _put(carry['inputs'], carry['forward_in'], t['forward_micro'] % slots,
@@ -318,8 +318,8 @@ class _StageLoop:
     carry['dy'] = _put(carry['dy'], carry['backward_in'], t['backward_micro'] % slots,
                        t['backward_arrives'])
     carry['dy'] = _put(carry['dy'], head_dy, head_micro % slots, self.last & (head_micro >= 0))
-    reads = dict(micro=t['micro'], held=carry['inputs'][slot], first=first, slot=slot,
-                 dy=carry['dy'][slot])
+    reads = dict(micro=t['micro'], held=at(carry['inputs'], slot), first=first, slot=slot,
+                 dy=at(carry['dy'], slot))
     action = t['action']
     # Each action changes its own state in place (F the slot stores and its output, B its output,
     # W the gradients' sums); a tick of another action leaves that state as it was. One switch
@@ -443,7 +443,7 @@ def _put(buffer, value, index, keep=True):
   """`buffer` with `value` at `index` where `keep`, as it was elsewhere."""
   value = value.astype(buffer.dtype)
   if keep is not True:
-    value = jnp.where(keep, value, buffer[index])
+    value = jnp.where(keep, value, at(buffer, index))
   return jax.lax.dynamic_update_index_in_dim(buffer, value, index, 0)
 
 

@@ -138,6 +138,31 @@ def test_1f1b_ticks_give_each_slot_its_input_and_keep_a_bounded_number(stages, m
   assert schedule.bubble_fraction == pytest.approx((P - 1) / (M * R + P - 1))
 
 
+
+@pytest.mark.parametrize('stages,microbatches,repeats', [(4, 4, 1), (2, 3, 1), (4, 8, 2), (2, 6, 3),
+                                                         (8, 8, 2)])
+def test_every_index_the_loops_read_with_is_in_range(stages, microbatches, repeats):
+  """The loops read their slots, chunks and microbatches by a dynamic slice (`pipeline.at`), which
+  clamps an index out of range where `a[index]` would wrap it: every table must hold each index
+  within its array, for gpipe or circular, 1f1b or interleaved, and ZB-H1."""
+  P, M, R = stages, microbatches, repeats
+  def within(table, keys, size):
+    for key in keys:
+      assert 0 <= np.min(table[key]) and np.max(table[key]) < size, (key, size)
+  moves = PipelineSchedule('gpipe' if R == 1 else 'circular', P, M, R).moves()
+  within(moves, ['read', 'write'], 2 * M + 1)   # the ring: M microbatches and M + 1 slots
+  within(moves, ['chunk'], R)
+  within(moves, ['microbatch'], M)
+  schedule = PipelineSchedule('1f1b' if R == 1 else 'interleaved_1f1b', P, M, R)
+  ticks = schedule.ticks()
+  within(ticks, ['f_slot', 'b_slot'], schedule.in_flight)
+  within(ticks, ['f_chunk', 'b_chunk'], R)
+  within(ticks, ['f_micro', 'b_micro'], M)
+  if R == 1:
+    tables, keys = PipelineSchedule('zb_h1', P, M, 1).zero_bubble, ['micro', 'forward_micro',
+                                                                    'backward_micro']
+    within({k: getattr(tables, k) for k in keys}, keys, M)
+
 # ---- against one device ----------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def reference():
