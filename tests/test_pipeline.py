@@ -138,7 +138,6 @@ def test_1f1b_ticks_give_each_slot_its_input_and_keep_a_bounded_number(stages, m
   assert schedule.bubble_fraction == pytest.approx((P - 1) / (M * R + P - 1))
 
 
-
 @pytest.mark.parametrize('stages,microbatches,repeats', [(4, 4, 1), (2, 3, 1), (4, 8, 2), (2, 6, 3),
                                                          (8, 8, 2)])
 def test_every_index_the_loops_read_with_is_in_range(stages, microbatches, repeats):
@@ -159,9 +158,10 @@ def test_every_index_the_loops_read_with_is_in_range(stages, microbatches, repea
   within(ticks, ['f_chunk', 'b_chunk'], R)
   within(ticks, ['f_micro', 'b_micro'], M)
   if R == 1:
-    tables, keys = PipelineSchedule('zb_h1', P, M, 1).zero_bubble, ['micro', 'forward_micro',
-                                                                    'backward_micro']
+    tables = PipelineSchedule('zb_h1', P, M, 1).zero_bubble
+    keys = ['micro', 'forward_micro', 'backward_micro']
     within({k: getattr(tables, k) for k in keys}, keys, M)
+
 
 # ---- against one device ----------------------------------------------------------------------
 @pytest.fixture(scope='module')
