@@ -252,7 +252,12 @@ class Transformer(nnx.Module):
       return block(x, rows.get('cos'), rows.get('sin'), adapters, rows['segments'])
 
     if cfg.remat != 'none':
-      layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=False)
+      # Rolled, the forward and its recomputation sit in two loops, out of CSE's reach. Unrolled,
+      # or one layer (XLA drops a loop of one trip), they meet in one computation, and XLA:GPU
+      # merged the recomputation into the forward: the 1b step with remat full, unrolled and
+      # compiled for an H200, kept remat none's 46.55 GiB (30.83 rolled; WORKSPACE, 2026-12-07).
+      meets_forward = cfg.scan_unroll > 1 or cfg.num_layers == 1
+      layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=meets_forward)
     return x, layer, layers, layer_keys, row_inputs, call
 
   def _context_order(self, length: int):

@@ -197,7 +197,9 @@ def test_main_reports_bad_input_in_one_line(tmp_path, args, message):
 
 def test_host_devices_simulates_a_data_parallel_mesh(tmp_path):
   result = main_py('--config=configs/default.py:tiny', '--host_devices=4', '--dry_run',
-                   f'--workdir={tmp_path}')
+                   '--config.model.scan_unroll=2', f'--workdir={tmp_path}')
   assert result.returncode == 0, result.stderr[-3000:]
   memory = json.loads((tmp_path / 'memory.json').read_text())
   assert memory['mesh'] == {'stage': 1, 'data': 4, 'fsdp': 1, 'context': 1, 'tensor': 1}
+  # An unrolled scan is said to be outside what the estimate models.
+  assert 'model.scan_unroll=2: the estimate models the rolled layer scan' in result.stdout

@@ -213,6 +213,27 @@ def test_delayed_fp8_multiplies_fp8_operands_on_gpus():
 
 
 @needs_plugin
+@pytest.mark.parametrize('layers, unrolled, seq_len', [(2, 2, 64), (1, 1, 256)])
+def test_remat_keeps_less_than_none_where_the_layer_scan_is_no_loop_on_gpus(layers, unrolled,
+                                                                             seq_len):
+  """Unrolled (or one layer: XLA drops a loop of one trip), the forward and its recomputation
+  meet in one computation, where CSE would merge them and keep every saved value: remat full and
+  dots held exactly remat none's temp before models/llama.py prevented it. (At 64 positions one
+  layer's activations are below the step's other temporaries, hence 256 there.)"""
+  from train import run
+  devices = compile_devices(parse_target('1xH100-80GB'))
+  temp = {}
+  for remat in ('full', 'dots', 'none'):
+    config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
+                            'parallel.zero_stage': 0, 'model.remat': remat,
+                            'model.num_layers': layers, 'model.scan_unroll': unrolled,
+                            'train.seq_len': seq_len})
+    s = run.setup(config, devices)
+    temp[remat] = run.memory_report(s, run.compile_train_step(s))['per_device_bytes']['temp']
+  assert temp['full'] < temp['none'] and temp['dots'] < temp['none'], temp
+
+
+@needs_plugin
 def test_a_dry_run_for_two_nodes_of_gpus_writes_what_compiled_it(tmp_path):
   workdir = tmp_path / 'w'
   result = main_py('--config=configs/fsdp.py:tiny', '--dry_run', '--target=16xH100-80GB',
