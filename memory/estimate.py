@@ -82,8 +82,9 @@ XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers
 once the update has spent the gradients, the head's table in the compute dtype, the logits' gradient
 and the tied head's in the compute dtype where the head's backward rounds it (models/loss.py), the
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
-(`unformed_grads`), the head's weight-gradient point, two layers' weights in flight and the
-transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
+(`unformed_grads`; under remat full the whole layer gradients are, zero-filled), the head's
+weight-gradient point, two layers' weights in flight and the transposed gradient stacks under
+ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
 segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
 device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
@@ -1345,10 +1346,13 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
   # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits), and whole
   # (unsharded) layer gradients only in the layers' backward (1b on one H200, remat dots and none,
-  # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted).
+  # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted)
+  # unless remat is full: then the layers' zero-filled gradient stacks are there before the loss
+  # (the same step, remat full: f32 [16, 2048, 8192] x 3 and the attention's, 3.6 GiB, at the
+  # loss's peak; 30.83 GiB compiled, -11.9 % without them; 1b DDP on 8 at 8 rows a device -13.6 %).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = not shape.scatters_grads and shape.microbatches == 1
+    whole = not shape.scatters_grads and shape.microbatches == 1 and cfg.remat != 'full'
     unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 'grads')
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 'optimizer')})
