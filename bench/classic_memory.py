@@ -126,7 +126,7 @@ def storage_bytes(cfg: ModelConfig) -> dict[str, float]:
 
 def step_shape(model: str, recipe: Recipe) -> StepShape:
   devices = DEVICES[model] if recipe.zero3 else 1
-  return StepShape(rows_per_device=1, seq_len=SEQ_LEN, fsdp=devices,
+  return StepShape(rows_per_device=1, seq_len=SEQ_LEN, fsdp=devices, data_parallel=devices,
                    zero_stage=3 if recipe.zero3 else 0, adam_bits=recipe.adam_bits)
 
 

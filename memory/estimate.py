@@ -147,6 +147,7 @@ class StepShape:
   update_on_host: bool = False      # the offloaded update computed by the host's processor
                                     # (parallel.offload_update='host'), not streamed
   context: int = 1       # size of the mesh's context axis: shards of each sequence
+  data_parallel: int = 1   # devices each gradient is summed over: the data x fsdp x context axes
   packed: bool = False   # rows hold several documents (data.packing): attention takes a segment mask
   device_memory: float = 0   # bytes of one device compiled for (0: not known): XLA:GPU's schedule
                              # holds more where the device has room (`roomy_update_sets`)
@@ -1347,12 +1348,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits), and whole
   # (unsharded) layer gradients only in the layers' backward (1b on one H200, remat dots and none,
   # bench.buffers --target=1xH200-141GB: no gradient at the head's peak; +9.5 and +5.2 % counted)
-  # unless remat is full: then the layers' zero-filled gradient stacks are there before the loss
-  # (the same step, remat full: f32 [16, 2048, 8192] x 3 and the attention's, 3.6 GiB, at the
-  # loss's peak; 30.83 GiB compiled, -11.9 % without them; 1b DDP on 8 at 8 rows a device -13.6 %).
+  # unless remat is full or the gradients are summed over devices: then the layers' zero-filled
+  # gradient stacks are there before the loss (the same step, remat full: f32 [16, 2048, 8192] x 3
+  # and the attention's, 3.6 GiB, at the loss's peak, -11.9 % without them; 1b at 8 rows a device
+  # on 8 H100s, DDP and ZeRO-1, remat none and dots: -9.7 to -12.1 % without them).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = not shape.scatters_grads and shape.microbatches == 1 and cfg.remat != 'full'
+    whole = (not shape.scatters_grads and shape.microbatches == 1 and cfg.remat != 'full'
+             and shape.data_parallel == 1)
     unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 'grads')
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 'optimizer')})

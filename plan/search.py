@@ -147,6 +147,7 @@ def evaluate(config, recipe: Recipe, target: Target, backend: str = 'gpu') -> Ca
                     seq_len=config.train.seq_len,
                     fsdp=1 if recipe.zero_stage == 0 else dp * recipe.context,
                     context=recipe.context, tensor=recipe.tensor, zero_stage=recipe.zero_stage,
+                    data_parallel=dp * recipe.context,
                     microbatches=recipe.microbatches, adam_bits=recipe.adam_bits,
                     adam_block_size=config.quant.adam_block_size, stages=recipe.stages,
                     pipeline_microbatches=recipe.pipeline_microbatches, schedule=recipe.schedule,

@@ -243,6 +243,7 @@ def step_shape(s: Setup, backend: str | None = None) -> StepShape:
   rows = train.batch_size // (data_parallel_size(s.mesh) * train.microbatches)
   return StepShape(rows, train.seq_len, fsdp=s.mesh.shape['fsdp'] * s.mesh.shape['context'],
                    context=s.mesh.shape['context'], tensor=s.mesh.shape['tensor'],
+                   data_parallel=data_parallel_size(s.mesh) * s.mesh.shape['context'],
                    zero_stage=s.config.parallel.zero_stage, microbatches=train.microbatches,
                    adam_bits=s.config.quant.adam_bits,
                    adam_block_size=s.config.quant.adam_block_size,

@@ -36,7 +36,7 @@ def case(preset: str, gpus: int, zero_stage: int, offload: bool, **overrides):
   cfg, policy = checks.model_config(config), get_policy(config.precision)
   train = config.train
   shape = StepShape(train.batch_size // gpus, train.seq_len, fsdp=gpus, zero_stage=zero_stage,
-                    backend='gpu', offload_optimizer=offload)
+                    data_parallel=gpus, backend='gpu', offload_optimizer=offload)
   device = estimate(cfg, policy, shape)['total']
   host = offloaded(cfg, policy, shape)['total'] * min(gpus, 8)
   target = parse_target(f'{gpus}xH100-80GB')
