@@ -82,9 +82,9 @@ XLA:GPU's own terms, read off its programs (`--dry_run --target`, `bench.buffers
 once the update has spent the gradients, the head's table in the compute dtype, the logits' gradient
 and the tied head's in the compute dtype where the head's backward rounds it (models/loss.py), the
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
-(`unformed_grads`; under remat full the whole layer gradients are, zero-filled), the head's
-weight-gradient point, two layers' weights in flight and the transposed gradient stacks under
-ZeRO-3, the saved stacks and the gradients once more under
+(`unformed_grads`; the whole layer gradients are, zero-filled, under remat full or where they
+are summed over devices), the head's weight-gradient point, two layers' weights in flight and the
+transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
 microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
 segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
 device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
