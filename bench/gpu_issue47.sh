@@ -14,7 +14,8 @@
 #    host (parallel.offload_update=host) and streamed, and the offloaded step's profile (its host
 #    transfers: the layer stacks no longer copied within host memory, train/donation.py).
 # 3. profile: where our 1b step's time goes on the GPU, kernel by kernel (command buffers off).
-# 4. fp8 with current and with delayed scaling against bf16, remat dots (the GPU suite's shape).
+# 4. bf16 with remat dots, rolled and unrolled; fp8 with current and with delayed scaling
+#    against it (the GPU suite's shape).
 # On a lent machine (Python 3.12, jax 0.11) the packages its image lacks travel as wheels in
 # .whl/ (WORKSPACE.md, "The GPU suite"): the device call carries `.whl`.
 set -u
@@ -35,12 +36,14 @@ if [ -z "${XLA_CLIENT_MEM_FRACTION:-}" ]; then
   export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 fi
 
-# UNROLL: the shape's layers, the layer scan unrolled (258.0 -> 239.4 ms a step on an H200 at 1b,
-# bench/results/issue47-nvidia-h200-3/).
+# UNROLL: the shape's layers (PRESET_LAYERS: the preset's), the layer scan unrolled (258.0 ->
+# 239.4 ms a step on an H200 at 1b, bench/results/issue47-nvidia-h200-3/).
 if [ "$SMOKE" = --smoke ]; then
   PRESET=configs/default.py:tiny; SHAPE=small; ROWS=8; LENGTH=64; STEPS=2; WARMUP=1; UNROLL=4
+  PRESET_LAYERS=2
 else
   PRESET=configs/default.py:1b; SHAPE=1b; ROWS=8; LENGTH=2048; STEPS=10; WARMUP=3; UNROLL=16
+  PRESET_LAYERS=16
 fi
 ONE="--config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1 \
 --config.parallel.zero_stage=0 --config.train.microbatches=1 --config.data.packing=False \
@@ -101,6 +104,11 @@ part profile 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_
   --config.model.remat=none --config.compile_cache= --steps=2 --warmup=2 --noloop \
   --out="$OUT/profile.json"
 step bf16_dots 60 --config.precision=bf16_mixed --config.model.remat=dots
+# The layer scan unrolled under remat dots: its recomputation no longer merged into the forward
+# (models/llama.py, 2026-12-07; 37.70 GiB compiled for an H200, the rolled step's), so it may be
+# the fastest step that saves activations.
+step bf16_dots_unrolled 70 --config.precision=bf16_mixed --config.model.remat=dots \
+  --config.model.scan_unroll=$PRESET_LAYERS
 step fp8_dots 160 --config.precision=bf16_mixed --config.model.remat=dots --config.quant.mode=fp8
 step fp8_delayed_dots 90 --config.precision=bf16_mixed --config.model.remat=dots \
   --config.quant.mode=fp8 --config.quant.fp8_scaling=delayed
@@ -120,6 +128,8 @@ def ratio(a, b):
 def pair(a, b):
   return ' against '.join(f'{x:,.0f}' if x else '-' for x in (a, b)) + ' tokens/s'
 rows = [('ours >= 1.0x torch.compile (1b, bf16_mixed)', best.get('ours_step'), best.get('torch_compile')),
+        ('remat dots, the layer scan unrolled against rolled', rate('bf16_dots_unrolled'),
+         rate('bf16_dots')),
         ('fp8 delayed >= 0.95x fp8 current', rate('fp8_delayed_dots'), rate('fp8_dots')),
         ('fp8 >= 1.15x bf16', rate('fp8_dots'), rate('bf16_dots')),
         ('offloaded step <= 1.5x the step without (ratio: its step / the step without)',
