@@ -7,6 +7,7 @@ import os
 import pytest
 
 from configs import default
+from plan.cost import Recipe
 from plan.search import MARGIN, PlanError, evaluate, plan, recipes
 from plan.target import TargetError, parse_target
 from plan.report import compile_total, run_plan, verifier
@@ -255,7 +256,6 @@ def test_a_frozen_base_is_costed_without_weight_gradients():
   """LoRA's step runs the forward pass and the gradient of each matmul's input, not of its weight:
   4 FLOPs per weight instead of 6; full remat adds one forward pass (2 per weight) either way."""
   from configs import finetune
-  from plan.cost import Recipe
   from train.checks import model_config
   target = parse_target('1xH100-80GB')
   full, lora = default.get_config('7b'), finetune.finetune_config('lora', '7b')
@@ -274,7 +274,7 @@ def test_the_optimizer_traffic_reads_the_moments_in_their_stored_dtype():
   """The update reads and writes the weight, its gradient and both moments (and the master where
   the policy keeps one): pure bf16 stores its moments in bf16, half the bytes of 32-bit Adam's
   fp32 moments, and 8-bit Adam a byte per value plus an fp32 scale per block of 2048."""
-  from plan.cost import Recipe, step_seconds
+  from plan.cost import step_seconds
   from precision.policy import get_policy
   from train.checks import model_config
   config, target = default.get_config('1b'), parse_target('1xH100-80GB')
@@ -297,7 +297,7 @@ def test_replicated_gradients_are_all_reduced_every_microbatch_where_the_step_ca
   """DDP and ZeRO-1 sum their microbatches' gradients per device and all-reduce once, except where
   cuDNN's attention runs on packed rows (train/checks.py:unbatchable_attention): then the planner
   charges an all-reduce per microbatch, as the step does; ZeRO-2 is charged the same either way."""
-  from plan.cost import Recipe, step_seconds
+  from plan.cost import step_seconds
   from plan.search import evaluate
   from precision.policy import get_policy
   from train.checks import model_config
@@ -347,3 +347,20 @@ def test_the_optimizer_state_goes_to_host_memory_only_where_nothing_else_fits():
   offloaded, target = _fastest_fitting('7b', '1xH100-80GB', **one_sequence)
   small_host = dataclasses.replace(target, host_memory=100e9)
   assert host_fits(offloaded, target) and not host_fits(offloaded, small_host)
+
+
+@pytest.mark.parametrize('recipe', [
+    Recipe('bf16_mixed', 32, 0, 1, 'dots', 1), Recipe('bf16_mixed', 32, 1, 1, 'none', 1),
+    Recipe('bf16_mixed', 32, 3, 2, 'full', 2), Recipe('bf16_mixed', 32, 3, 1, 'full', 1, context=2)])
+def test_the_planner_estimates_a_recipe_as_the_dry_run_of_its_config_does(recipe):
+  """The planner builds its step shape from the recipe (plan/search.py:evaluate), the dry run
+  from the mesh (train/run.py:step_shape); at 1b with its logits at the peak (8 x 2048 tokens a
+  device) they must agree on every term, the gradients summed over devices included."""
+  import jax
+  from plan.search import apply
+  from train import run
+  config = default.get_config('1b')
+  config.train.batch_size, config.train.seq_len = 64, 2048
+  planned = evaluate(config, recipe, parse_target('8xH100-80GB'))
+  s = run.setup(apply(config, recipe, 8), jax.devices('cpu')[:8])
+  assert run.estimated_bytes(s, backend='gpu')[0] == planned.estimate
