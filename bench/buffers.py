@@ -12,6 +12,8 @@ how a gap between the estimate and the compiler is explained before either is ch
   python -m bench.buffers --top=30 --dump_dir=/tmp/dump     # keep XLA's dump files
   python -m bench.buffers --config=configs/default.py:1b --target=1xH100-80GB   # XLA:GPU's program,
       # compiled for that GPU on any machine (as main.py --dry_run --target)
+  python -m bench.buffers --phases --top=8     # also each phase's own peak (layers forward and
+      # backward, head, update: bench/peak_buffers.py:PHASES), what the estimate's phases model
 """
 import tempfile
 
@@ -25,7 +27,22 @@ _DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Keep XLA\'s dumps here (defau
 _TARGET = flags.DEFINE_string('target', None, '<N>x<GPU>: compile for that GPU with XLA:GPU, here '
                               '(requirements-gpu-compile.txt); default this machine\'s devices.')
 
+_PHASES = flags.DEFINE_bool('phases', False, 'Also print each phase of the step at its own peak '
+                            '(bench/peak_buffers.py:PHASES), a collective\'s values as one line.')
+
 GiB = 2.0**30
+
+
+def _grouped(live) -> list[tuple[int, int, str, str, str]]:
+  """(bytes, values, name, first shape, op_name), largest first: the values of one asynchronous
+  collective (`all-gather-start.2{1,6}`, `{1,7}`, ...) as one line, since it frees them together."""
+  groups = {}
+  for b in live:
+    key = b.name.split('{')[0] if '-start' in b.name else b.name
+    size, count, shape, op_name = groups.get(key, (0, 0, b.shape, b.op_name))
+    groups[key] = (size + b.size, count + 1, shape, op_name)
+  return sorted(((size, count, key, shape, op_name)
+                 for key, (size, count, shape, op_name) in groups.items()), key=lambda g: -g[0])
 
 
 def _setup(config):
@@ -49,7 +66,7 @@ def _setup(config):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  from bench.peak_buffers import compile_with_dumps, read_peak
+  from bench.peak_buffers import compile_with_dumps, read_peak, read_phases
   from memory.compiled import format_bytes
   from memory.estimate import format_parts
   from train.run import lower_train_step, memory_report
@@ -78,6 +95,14 @@ def main(argv):
         f'the largest:')
   for b in peak.live[:_TOP.value]:
     print(f'    {b.size / GiB:10.4f} GiB  {b.shape[:40]:40s} {b.name[:32]:32s} {b.op_name}')
+  if _PHASES.value:
+    print(f'  by phase (the largest live set while one of its instructions runs; the temp '
+          f'allocation is {format_bytes(peak.temp_bytes)}):')
+    for phase, at in read_phases(directory).items():
+      print(f'  {phase:16s} {format_bytes(at.peak_bytes)} live while `{at.at}` runs; the largest:')
+      for size, count, name, shape, op_name in _grouped(at.live)[:_TOP.value]:
+        values = f'{count} values' if count > 1 else shape[:40]
+        print(f'    {size / GiB:10.4f} GiB  {values:40s} {name[:32]:32s} {op_name[:120]}')
   scratch.cleanup()
 
 

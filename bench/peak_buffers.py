@@ -63,8 +63,17 @@ def _newest(directory: str, pattern: str, module: str) -> str:
   return max(files, key=lambda f: (os.path.getmtime(f), f))
 
 
-def read_peak(directory: str, module: str = 'jit_train_step') -> Peak:
-  """The peak of the temp allocation of the newest dumped module whose name contains `module`."""
+@dataclasses.dataclass(frozen=True)
+class _Dumps:
+  """What the three dump files say of the temp allocation."""
+  temp_bytes: int
+  placed: dict      # value -> (offset, size, shape) in the temp allocation
+  sequence: dict    # position -> instruction
+  ranges: dict      # value -> (first, last) position it is live
+  op_names: dict    # instruction -> op_name
+
+
+def _read_dumps(directory: str, module: str) -> _Dumps:
   assignment = _newest(directory, 'after_optimizations-buffer-assignment.txt', module)
   prefix = assignment[:-len('-buffer-assignment.txt')]
   with open(assignment) as f:
@@ -102,21 +111,66 @@ def read_peak(directory: str, module: str = 'jit_train_step') -> Peak:
     for line in f:
       if (m := _OP_NAME.match(line)):
         op_names[m.group(1)] = m.group(2)
+  return _Dumps(temp_bytes, placed, sequence, ranges, op_names)
 
+
+def _occupancy(dumps: _Dumps):
+  """(position, bytes occupied, live values) at each position of the instruction sequence."""
   starts = collections.defaultdict(list)
-  for name, (start, _) in ranges.items():
+  for name, (start, _) in dumps.ranges.items():
     starts[start].append(name)
-  live, best, best_at, best_live = set(), -1, 0, []
-  for t in range(max(sequence) + 1 if sequence else 0):
+  live = set()
+  for t in range(max(dumps.sequence) + 1 if dumps.sequence else 0):
     live.update(starts.get(t, ()))
-    live = {n for n in live if ranges[n][1] >= t}
-    occupied = _union_bytes(placed[n][:2] for n in live)
-    if occupied > best:
-      best, best_at, best_live = occupied, t, sorted(live)
-  instruction = sequence.get(best_at, '')
-  buffers = sorted((Buffer(n, placed[n][2], placed[n][1], op_names.get(n.split('{')[0], ''))
-                    for n in best_live), key=lambda b: (-b.size, b.name))
-  return Peak(temp_bytes, max(best, 0), instruction, op_names.get(instruction, ''), buffers)
+    live = {n for n in live if dumps.ranges[n][1] >= t}
+    yield t, _union_bytes(dumps.placed[n][:2] for n in live), live
+
+
+def _peak_at(dumps: _Dumps, t: int, occupied: int, live) -> Peak:
+  instruction = dumps.sequence.get(t, '')
+  buffers = sorted((Buffer(n, dumps.placed[n][2], dumps.placed[n][1],
+                           dumps.op_names.get(n.split('{')[0], '')) for n in live),
+                   key=lambda b: (-b.size, b.name))
+  return Peak(dumps.temp_bytes, occupied, instruction, dumps.op_names.get(instruction, ''), buffers)
+
+
+def read_peak(directory: str, module: str = 'jit_train_step') -> Peak:
+  """The peak of the temp allocation of the newest dumped module whose name contains `module`."""
+  dumps = _read_dumps(directory, module)
+  best = (0, -1, set())
+  for t, occupied, live in _occupancy(dumps):
+    if occupied > best[1]:
+      best = (t, occupied, set(live))
+  return _peak_at(dumps, best[0], max(best[1], 0), best[2])
+
+
+# The train step's phases, told apart by the JAX name scopes in the running instruction's op_name
+# (train/step.py, models/llama.py): the update's `optimizer` scope; the layer scan (a `while`)
+# differentiated, `transpose(jvp())/while`, or forward, `jvp()/while`; the rest of the
+# differentiated step (`transpose(...)`: the loss and the head), the rest of the forward (`jvp(`:
+# the lookup, the final norm, the loss). The first that matches names the phase.
+PHASES = (('update', '/optimizer'), ('layers backward', 'transpose(jvp())/while'),
+          ('layers forward', 'jvp()/while'), ('head backward', 'transpose('),
+          ('forward', 'jvp('))
+
+
+def phase_of(op_name: str) -> str:
+  """The step's phase an instruction with this op_name runs in (`PHASES`), else 'other'."""
+  return next((phase for phase, scope in PHASES if scope in op_name), 'other')
+
+
+def read_phases(directory: str, module: str = 'jit_train_step') -> dict[str, Peak]:
+  """Each phase's own peak (`PHASES`): the largest occupancy of the temp allocation while one of
+  its instructions runs, and the values live there. The step's peak is the largest of them; the
+  others say how near each phase comes, which is what a phase of the estimate is checked against."""
+  dumps = _read_dumps(directory, module)
+  best = {}
+  for t, occupied, live in _occupancy(dumps):
+    phase = phase_of(dumps.op_names.get(dumps.sequence.get(t, ''), ''))
+    if occupied > best.get(phase, (0, -1))[1]:
+      best[phase] = (t, occupied, set(live))
+  return {phase: _peak_at(dumps, t, occupied, live)
+          for phase, (t, occupied, live) in sorted(best.items(), key=lambda kv: -kv[1][1])}
 
 
 def _union_bytes(spans) -> int:

@@ -2,7 +2,7 @@
 to write its new weights a layer at a time instead of gathering whole stacks beside them."""
 from configs import default
 from configs.layouts import layout_config
-from bench.peak_buffers import compile_with_dumps, read_peak
+from bench.peak_buffers import compile_with_dumps, phase_of, read_peak, read_phases
 from train import run
 
 # Parameters dominate: wide layers, a short batch (the layout tests' stage_bytes shape).
@@ -31,6 +31,22 @@ def test_the_peak_is_read_from_the_temp_allocation(tmp_path):
   assert temp / 2 <= peak.peak_bytes <= temp
   assert peak.live and peak.at
   assert sum(b.size for b in peak.live) >= peak.peak_bytes
+
+
+def test_each_phase_of_the_step_is_read_at_its_own_peak(tmp_path):
+  """bench.buffers --phases: the forward and backward layer scans, the head and the update each at
+  the largest occupancy while one of their instructions runs; the step's peak is the largest."""
+  _, _, peak = compiled_peak('fsdp', tmp_path, **{'model.remat': 'full'})
+  phases = read_phases(str(tmp_path))
+  assert {'layers forward', 'layers backward', 'head backward', 'update'} <= set(phases)
+  assert max(p.peak_bytes for p in phases.values()) == peak.peak_bytes
+  assert list(phases) == sorted(phases, key=lambda name: -phases[name].peak_bytes)
+  for name, at in phases.items():
+    assert phase_of(at.at_op_name) == name, (name, at.at, at.at_op_name)
+    assert 0 < at.peak_bytes <= at.temp_bytes
+  # The backward scan holds the saved residual stack and the layer's recomputed values at once;
+  # the forward scan is still filling that stack.
+  assert phases['layers backward'].peak_bytes > phases['layers forward'].peak_bytes
 
 
 def test_zero2_gathers_new_weights_one_layer_at_a_time(tmp_path):
