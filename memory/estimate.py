@@ -84,8 +84,9 @@ and the tied head's in the compute dtype where the head's backward rounds it (mo
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
 (`unformed_grads`; the whole layer gradients are, zero-filled, under remat full or where they
 are summed over devices), the head's weight-gradient point, two layers' weights in flight and the
-transposed gradient stacks under ZeRO-3, the saved stacks and the gradients once more under
-microbatches, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
+transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3's microbatches
+and the gradients once more under any (not yet at the loss where the weights are not gathered), a
+frozen table taken as stored, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
 segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
 device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
 of its 90 points within 5 %; WORKSPACE.md says why the others are not).
@@ -1281,7 +1282,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
   saved = activation_bytes(cfg, policy, shape)
   quantized = frozen is not None and frozen.quantized
-  if on_gpu(shape) and shape.microbatches > 1 and not (quantized and cfg.remat == 'full'):
+  if (on_gpu(shape) and shape.microbatches > 1 and shape.gathers_params and shape.stages == 1
+      and not (quantized and cfg.remat == 'full')):
     # In the microbatch loop XLA:GPU initialises the next microbatch's saved stacks while the
     # last one's are live: two sets (7b ZeRO-3 x tensor 2 without remat, 8 microbatches on 8
     # H100s, bench.buffers --target: each saved [layers, rows, length, width] stack twice, as a
@@ -1293,6 +1295,10 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     # for LoRA; compiled 3.00 GiB, +49 % with two sets; 20b on 8 and 7b on one H100 +53 and +46 %).
     # Without remat the peak is inside the forward loop, beside the fill (100m QLoRA, remat none:
     # both sets at the peak; counting one made that estimate 17 % under the compiled 2.14 GiB).
+    # Where the weights are not gathered (DDP, tensor parallel, ZeRO-1/2, their LoRA) and in the
+    # pipelines, one set: the shipped 1b configs in 8 microbatches on 8 H100s, bench.buffers
+    # --target (tp, zero2, lora, ddp: one [16, rows, 2048, 2048] stack at the peak; pipeline: one
+    # [7, 4, 1, 1, 2048, 2048]; fsdp, ZeRO-3: the zero fill beside the filled stack).
     saved *= 2
   # The ring lives through the loop (forward, then its gradient backward), not the head's backward.
   ring = pipeline_ring_bytes(cfg, policy, shape)
@@ -1343,7 +1349,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   layer = layer_phase_bytes(cfg, policy, dataclasses.replace(
       shape, rows_per_device=shape.rows_per_device // shape.pipeline_microbatches),
                             trains_weights=weight_shaped(frozen, shape))
-  vocab = vocab_bytes(cfg, policy, shape, embedding_grads=frozen is None)
+  # A frozen table is stored in the compute dtype (train/state.py): on XLA:GPU the head takes it
+  # as it is, with no cast of its own (1b LoRA, DDP in 8 microbatches on 8 H100s, bench.buffers
+  # --target: no [vocabulary, d_model] table beside the logits; +11.7 % with a cast counted).
+  head_policy = (dataclasses.replace(policy, param_dtype=policy.compute_dtype)
+                 if frozen is not None and on_gpu(shape) else policy)
+  vocab = vocab_bytes(cfg, head_policy, shape, embedding_grads=frozen is None)
   # XLA:GPU forms the embedding's gradient after the head's backward peak (1b DDP, ZeRO-1 on 8
   # H100s, bench.buffers --target: no [vocabulary, d_model] gradient beside the logits), and whole
   # (unsharded) layer gradients only in the layers' backward (1b on one H200, remat dots and none,
@@ -1378,9 +1389,17 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
                 * gathered(cfg, shape) if on_gpu(shape) and shape.gathers_params else 0)
   # Gradients that the state's part counts but XLA:GPU has not formed yet here come off it
   # (`unformed_grads`, negative).
+  # In microbatches, where the weights are not gathered, the loss's peak comes before any of the
+  # microbatch's own gradients and after every gradient's sum exists (a carry of the microbatch
+  # loop): the shipped 1b tp and zero2 configs in 8 microbatches on 8 H100s, bench.buffers
+  # --target --phases (the forward's loss at the step's peak, beside the sum alone; compiled 6.85
+  # and 8.77 GiB, the estimate +19.1 and +9.2 % with the microbatch's set and a second saved set).
+  head_common, head_unformed = common, unformed
+  if on_gpu(shape) and shape.microbatches > 1 and not shape.gathers_params:
+    head_common, head_unformed = common - microbatch_grads, 0
   head_phase = {'activations': saved + vocab['logits'],
-                'temporaries': common + vocab['head'] + prefetched,
-                **({'unformed_grads': -unformed} if unformed else {})}
+                'temporaries': head_common + vocab['head'] + prefetched,
+                **({'unformed_grads': -head_unformed} if head_unformed else {})}
   # GPipe's backward runs each stage's layers as a scan inside the iterations' loop, which sums
   # their gradients in a carry of its own, started from a copy: beside the loop's sum, two more
   # sets of the stage's gradient shards (7b, 4 stages x 2-way ZeRO-3, 4 microbatches,

@@ -388,6 +388,23 @@ def test_zero12s_new_weights_from_padded_shards_are_counted_on_gpus(zero_stage):
       '100m', {'mesh.data': 1, 'mesh.fsdp': -1, 'parallel.zero_stage': zero_stage}, 40)
 
 
+@needs_plugin
+@pytest.mark.parametrize('name', ['tp', 'zero2', 'lora'])
+def test_shipped_configs_in_microbatches_are_estimated_within_five_percent_on_gpus(name):
+  """The shipped configs at 1b as a user starts them on 8 H100s (64 x 2048 tokens in 8
+  microbatches), where the gradients are not gathered weights' (no ZeRO-3): the step peaks at the
+  loss, beside one set of saved stacks and the gradients' sum, the microbatch's own gradients not
+  yet formed, and a frozen table taken as stored (memory/estimate.py; +19.1, +9.2 and +11.7 % with
+  a second saved set, the microbatch's gradients and a cast of the table counted)."""
+  import importlib
+  from train import run
+  config = importlib.import_module(f'configs.{name}').get_config('1b')
+  s = run.setup(config, compile_devices(parse_target('8xH100-80GB')))
+  report = run.memory_report(s, run.compile_train_step(s))
+  compiled, estimated = report['per_device_bytes']['total'], report['estimate_bytes']['total']
+  assert abs(estimated / compiled - 1) <= 0.05, (compiled, report['estimate_bytes'])
+
+
 def _assert_the_gpu_estimate_is_within_five_percent(preset: str, layout: dict, devices: int):
   from configs import default
   from train import run
