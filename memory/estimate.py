@@ -1310,7 +1310,11 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # --target: 24.89 GiB compiled, +16.7 % with a third set counted). Read where each microbatch's
   # gradients are all-reduced (packed rows with cuDNN's attention, train/run.py); the per-device
   # accumulation's sums (unpacked rows) were not read on XLA:GPU.
-  sets = 2 if on_gpu(shape) and shape.scatters_grads else 1
+  # In a pipeline the stage's loop carry (`pipeline_grads`) is the second set (1b GPipe, 4 stages
+  # x 2-way ZeRO-3 in 8 microbatches on 8 H100s, bench.buffers --target --phases: the sum and two
+  # more sets of the stage's gradient shards at the layers' backward, 0.5 GiB each; compiled 4.80
+  # GiB, +14.9 % with a third counted and the sets at the loss, below).
+  sets = 2 if on_gpu(shape) and shape.scatters_grads and shape.stages == 1 else 1
   microbatch_grads = grads * sets if shape.microbatches > 1 else 0
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:
@@ -1394,9 +1398,12 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # loop): the shipped 1b tp and zero2 configs in 8 microbatches on 8 H100s, bench.buffers
   # --target --phases (the forward's loss at the step's peak, beside the sum alone; compiled 6.85
   # and 8.77 GiB, the estimate +19.1 and +9.2 % with the microbatch's set and a second saved set).
+  # So does a pipeline's (the same 1b GPipe: the forward's loss beside the sum alone), before its
+  # stage's carry too.
   head_common, head_unformed = common, unformed
-  if on_gpu(shape) and shape.microbatches > 1 and not shape.gathers_params:
-    head_common, head_unformed = common - microbatch_grads, 0
+  if (on_gpu(shape) and shape.microbatches > 1
+      and (not shape.gathers_params or shape.stages > 1)):
+    head_common, head_unformed = common - microbatch_grads - pipeline_grads, 0
   head_phase = {'activations': saved + vocab['logits'],
                 'temporaries': head_common + vocab['head'] + prefetched,
                 **({'unformed_grads': -head_unformed} if head_unformed else {})}
