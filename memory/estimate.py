@@ -679,6 +679,21 @@ def cpu_weight_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> flo
   return 0
 
 
+def gpu_saved_weight_casts(cfg: ModelConfig, policy: Policy, shape: StepShape,
+                           frozen: 'Frozen | None' = None) -> float:
+  """XLA:GPU without remat: the forward saves each layer's compute-dtype cast of its stored
+  weights for the backward, stacked over the layers like the activations, where the weights are
+  stored wider than the compute dtype and not gathered layer by layer (7b ZeRO-2 without remat in
+  4 microbatches on 8 A100s, the planner's pick, bench.buffers --target: the forward scan's
+  bf16 [32, 4096, 11008] x 3 and [32, 4096, 4096]-sized x 4 stacks, 12.06 GiB, -12.0 % without
+  them; 1b on one H200: bf16 [16, 2048, 8192] x 3 beside the activations)."""
+  if (not on_gpu(shape) or cfg.remat != 'none' or shape.gathers_params or frozen is not None
+      or policy.param_bytes <= policy.compute_bytes):
+    return 0
+  weights = shape.stage_layers(cfg) * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
+  return weights * policy.compute_bytes / shards(cfg, shape, 'params')
+
+
 def cpu_shard_copies(cfg: ModelConfig, policy: Policy, shape: StepShape) -> float:
   """Under ZeRO-3, XLA:CPU converts the shards of layer weights stored in bf16 to fp32 whole,
   before the layer scan gathers them, and keeps the copies through the layers' backward pass (not
@@ -1280,7 +1295,7 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     params = (frozen.base_bytes * on_stage + n * p) / shards(cfg, shape, 'params')
     grads = n * p / shards(cfg, shape, 'grads')
     optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
-  saved = activation_bytes(cfg, policy, shape)
+  saved = activation_bytes(cfg, policy, shape) + gpu_saved_weight_casts(cfg, policy, shape, frozen)
   quantized = frozen is not None and frozen.quantized
   if (on_gpu(shape) and shape.microbatches > 1 and shape.gathers_params and shape.stages == 1
       and not (quantized and cfg.remat == 'full')):
@@ -1314,7 +1329,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # x 2-way ZeRO-3 in 8 microbatches on 8 H100s, bench.buffers --target --phases: the sum and two
   # more sets of the stage's gradient shards at the layers' backward, 0.5 GiB each; compiled 4.80
   # GiB, +14.9 % with a third counted and the sets at the loss, below).
-  sets = 2 if on_gpu(shape) and shape.scatters_grads and shape.stages == 1 else 1
+  # Under ZeRO-2, one (7b in 4 microbatches on 8 A100s and the shipped zero2:1b on 8 H100s,
+  # bench.buffers --target --phases: the sum and one zero-filled set at the layers' backward).
+  sets = 2 if on_gpu(shape) and shape.gathers_params and shape.stages == 1 else 1
   microbatch_grads = grads * sets if shape.microbatches > 1 else 0
   # The pipeline loop accumulates its stage's layer gradients in a carry of its own, added to the
   # step's gradients when it ends (7b GPipe and circular, 4 stages x 2-way ZeRO-3, bench/buffers.py:

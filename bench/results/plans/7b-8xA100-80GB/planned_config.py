@@ -1,8 +1,8 @@
-"""Planned on 2026-11-29 by
-  python main.py --config=configs/fsdp.py:7b --target=8xA100-80GB --plan --workdir=runs/plan-s8-7b-8xA100-80GB
+"""Planned on 2026-12-07 by
+  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=runs/plan-s8-7b-8xA100-80GB
 
-bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, remat none, 4 microbatch(es)
-on 8xA100-80GB: compiled 55.6 GB per device (estimate 55.0 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
+bf16_mixed, Adam 8-bit, ZeRO-2, tensor 1, remat none, 4 microbatch(es)
+on 8xA100-80GB: compiled 66.7 GB per device (estimate 68.3 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
 
 Run it on the target:  python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py
 Size it here:          python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
@@ -52,12 +52,13 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:7b@8xA100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'offload_update': 'device',
               'pipeline_gather_once': False,
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
               'pipeline_stage_layers': '',
-              'zero_stage': 3},
+              'zero_stage': 2},
  'precision': 'bf16_mixed',
  'quant': {'adam_bits': 8,
            'adam_block_size': 2048,
