@@ -84,10 +84,11 @@ and the tied head's in the compute dtype where the head's backward rounds it (mo
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
 (`unformed_grads`; the whole layer gradients are, zero-filled, under remat full or where they
 are summed over devices), the head's weight-gradient point, two layers' weights in flight and the
-transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3's microbatches
-and the gradients once more under any (not yet at the loss where the weights are not gathered), a
-frozen table taken as stored, a recomputed layer and tensor-parallel partial sums in the compute dtype, cuDNN's
-segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
+transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3's microbatches,
+beside the gradients' sum a microbatch's own set (two under ZeRO-3; in a pipeline the stage's
+carry is the second; none yet at the loss where the weights are not gathered), without remat the
+weights' saved compute-dtype casts, a frozen table taken as stored, a recomputed layer and
+tensor-parallel partial sums in the compute dtype, cuDNN's segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
 device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
 of its 90 points within 5 %; WORKSPACE.md says why the others are not).
 
