@@ -88,9 +88,10 @@ transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3
 beside the gradients' sum a microbatch's own set (two under ZeRO-3; in a pipeline the stage's
 carry is the second; none yet at the loss where the weights are not gathered), without remat the
 weights' saved compute-dtype casts, a frozen table taken as stored, a recomputed layer and
-tensor-parallel partial sums in the compute dtype, cuDNN's segment-mask bias and no block of probabilities in its backward, ZeRO-2's update sets where the
-device has room for them, ZeRO-1's second copies over padded shards (`sweeps/estimate.py:gpu`: 79
-of its 90 points within 5 %; WORKSPACE.md says why the others are not).
+tensor-parallel partial sums in the compute dtype, cuDNN's segment-mask bias and no block of
+probabilities in its backward, ZeRO-2's update sets where the device has room for them, ZeRO-1's
+second copies over padded shards (`sweeps/estimate.py:gpu`: 79 of its 90 points within 5 %;
+WORKSPACE.md says why the others are not).
 
 Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
@@ -1296,7 +1297,8 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
     params = (frozen.base_bytes * on_stage + n * p) / shards(cfg, shape, 'params')
     grads = n * p / shards(cfg, shape, 'grads')
     optimizer = n * (2 * policy.moment_bytes + policy.master_bytes) / shards(cfg, shape, 'optimizer')
-  saved = activation_bytes(cfg, policy, shape) + gpu_saved_weight_casts(cfg, policy, shape, frozen)
+  saved = (activation_bytes(cfg, policy, shape)
+           + gpu_saved_weight_casts(cfg, policy, shape, frozen))
   quantized = frozen is not None and frozen.quantized
   if (on_gpu(shape) and shape.microbatches > 1 and shape.gathers_params and shape.stages == 1
       and not (quantized and cfg.remat == 'full')):
