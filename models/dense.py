@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.hints import shards
+from models.hints import shards, weights_whole
 from models.loss import head_gradient_rounded
 from precision.policy import Policy
 from quant import fp8, lsq
@@ -95,7 +95,8 @@ class Dense(nnx.Module):
     # than flattening them into rows (quant/contraction.py).
     rows_split = x.ndim - n_in > 1 and shards('length') > 1
     y = quantized_dot(x, kernel, n_in, self.policy.matmul, layer_state, self.out_dtype,
-                      self.out_dtype is not None and head_gradient_rounded(dtype), rows_split)
+                      self.out_dtype is not None and head_gradient_rounded(dtype), rows_split,
+                      kernel_whole=weights_whole(self.axes))
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:

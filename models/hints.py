@@ -4,6 +4,8 @@ The model tags activations with logical names; whether and how that maps onto a 
 by the logical-axis rules that the caller puts in context (flax `logical_axis_rules`). With no rules
 in context the hint does nothing, so the model runs unchanged on one device.
 """
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -26,6 +28,27 @@ def shards(axis: str) -> int:
   part = mesh_spec((axis,))[0]
   names = (part,) if isinstance(part, str) else tuple(part or ())
   return math.prod(mesh.shape[name] for name in names if name in mesh.shape)
+
+
+_SPLIT_OVER_DATA = contextvars.ContextVar('weights_split_over_data', default=True)
+
+
+@contextlib.contextmanager
+def weights_split_over_data(split: bool):
+  """Trace-time context: whether the layout stores the weights split over the data-parallel
+  devices (ZeRO-3), where XLA gathers each where it is used."""
+  token = _SPLIT_OVER_DATA.set(split)
+  try:
+    yield
+  finally:
+    _SPLIT_OVER_DATA.reset(token)
+
+
+def weights_whole(axes: tuple) -> bool:
+  """Whether each device holds a weight of logical `axes` whole as stored: not split over the
+  data-parallel devices (`weights_split_over_data`; outside one, taken as split) nor over a
+  model-parallel axis by the rules in context."""
+  return not _SPLIT_OVER_DATA.get() and all(shards(axis) == 1 for axis in axes)
 
 
 def logical_specs(state):

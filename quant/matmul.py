@@ -107,7 +107,12 @@ def _contraction_minor(kernel: jax.Array, n_in: int) -> jax.Array:
   transposing every layer's fp32 weights into a copy held to its end (1b: 2.25 of the 3.6 GiB
   stacks live at the peak, ZeRO-2 on 8 H100s 10.28 -> 8.31 GiB without them). Pinned to the
   stored layout first, the transpose is of one layer's 16-bit kernel, in the loop. The gradient
-  passes as it is: it is not quantized and takes any layout."""
+  passes as it is: it is not quantized and takes any layout.
+
+  Only where the kernel is whole on each device: XLA's partitioner runs a layout constraint (a
+  custom call) on the whole array, so a split kernel would be gathered in 16 bits in front of it
+  (ZeRO-3 gathers the quantized values, 1b int8 on 8 H100s: 4.84 -> 6.66 GiB a step; under
+  tensor parallelism a kernel is gathered that is not otherwise)."""
   stored = with_layout_constraint(kernel, Layout(tuple(range(kernel.ndim))))
   order = tuple(range(n_in, kernel.ndim)) + tuple(range(n_in))
   return with_layout_constraint(stored, Layout(order))
@@ -119,14 +124,17 @@ _contraction_minor.defvjp(lambda kernel, n_in: (_contraction_minor(kernel, n_in)
 
 def quantized_dot(x: jax.Array, kernel: jax.Array, n_in: int, recipe: MatmulRecipe,
                   layer_state: jax.Array | None = None, out_dtype=None,
-                  round_gradient: bool = False, rows_split: bool = False) -> jax.Array:
+                  round_gradient: bool = False, rows_split: bool = False,
+                  kernel_whole: bool = False) -> jax.Array:
   """x [..., *in] @ kernel [*in, *out] under `recipe`. `out_dtype` (None: x's): an unquantized
   product accumulates into it and is never rounded to x's dtype (the head's fp32 logits; with
   `round_gradient` its backward runs on x's dtype: `dense_product`); a quantized one is cast to it.
-  `rows_split`: x's leading dims split over two mesh axes (`dense_product`)."""
+  `rows_split`: x's leading dims split over two mesh axes (`dense_product`). `kernel_whole`: each
+  device holds the kernel whole as stored (models/hints.py:weights_whole), where a quantized
+  product transposes it layer by layer on a GPU (`_contraction_minor`)."""
   if out_dtype is not None and recipe.product == 'none':
     return dense_product(x, kernel, n_in, out_dtype, round_gradient)
-  if recipe.product in _QUANTIZED_KERNEL:
+  if kernel_whole and recipe.product in _QUANTIZED_KERNEL:
     kernel = jax.lax.platform_dependent(kernel, cuda=lambda k: _contraction_minor(k, n_in),
                                         default=lambda k: k)
   product = _PRODUCTS[recipe.product]

@@ -242,6 +242,24 @@ def test_quantized_products_leave_the_stored_weights_as_they_are_on_gpus(quant):
 
 
 @needs_plugin
+@pytest.mark.parametrize('layout', [{'mesh.fsdp': 2, 'parallel.zero_stage': 3},
+                                    {'mesh.fsdp': 1, 'mesh.tensor': 2, 'parallel.zero_stage': 0}])
+def test_quantized_products_gather_no_kernel_to_lay_it_out_on_gpus(layout):
+  """Where a kernel is split (ZeRO-3, tensor parallelism) its layout is left to XLA: the
+  partitioner would gather it whole in front of a layout constraint (ZeRO-3 gathers the quantized
+  values instead; tensor parallelism gathers no kernel)."""
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'train.batch_size': 2,
+                          'quant.mode': 'int8', **layout})
+  s = run.setup(config, compile_devices(parse_target('2xH100-80GB')))
+  gathers = [line for line in run.compile_train_step(s).as_text().splitlines()
+             if re.search(r' all-gather(-start)?\(', line)]
+  assert not [line for line in gathers if 'layout_constraint' in line]
+  if 'mesh.tensor' in layout:
+    assert not gathers
+
+
+@needs_plugin
 @pytest.mark.parametrize('layers, unrolled, seq_len', [(2, 2, 64), (1, 1, 256)])
 def test_remat_keeps_less_than_none_where_the_layer_scan_is_no_loop_on_gpus(layers, unrolled,
                                                                              seq_len):

@@ -9,11 +9,12 @@ import jax
 from flax import linen
 
 from models.attention import compiling_for
+from models.hints import weights_split_over_data
 from models.config import ModelConfig
 from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.pipeline_1f1b import OneFOneB
 from parallel.pipeline_zb import ZeroBubble
-from parallel.rules import LayoutRules
+from parallel.rules import SHARDED, LayoutRules
 from precision.policy import Policy
 from train.state import ModelSpec, StateLayout
 
@@ -44,12 +45,14 @@ class Setup:
     return self.mesh.devices.flat[0].platform
 
   def context(self):
-    """Trace-time context: the mesh, the rules that turn activation hints into shardings, and
-    the platform compiled for."""
+    """Trace-time context: the mesh, the rules that turn activation hints into shardings, the
+    platform compiled for, and whether the weights are stored split over the data-parallel
+    devices."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(self.mesh))
     stack.enter_context(linen.logical_axis_rules(self.rules.activations))
     stack.enter_context(compiling_for(self.platform))
+    stack.enter_context(weights_split_over_data(self.rules.params == SHARDED))
     return stack
 
 
