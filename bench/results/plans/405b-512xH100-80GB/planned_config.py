@@ -1,11 +1,11 @@
-"""Planned on 2026-11-29 by
-  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan-s8c-405b-512xH100-80GB
+"""Planned on 2026-12-08 by
+  python main.py --config=configs/fsdp.py:405b --target=512xH100-80GB --plan --workdir=runs/plan-405b-512xH100-80GB
 
 bf16_mixed, Adam 32-bit, ZeRO-3, tensor 2, context 4 (ring), remat dots, 1 microbatch(es), 64 stages x 512 pipeline microbatches (zb_h1)
-on 512xH100-80GB: compiled 66.7 GB per device (estimate 71.7 GB; usable 72.0 GB), estimated 28.41 s per step, 73,824 tokens/s.
+on 512xH100-80GB: compiled 66.5 GB per device (estimate 71.7 GB; usable 72.0 GB), estimated 28.41 s per step, 73,824 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan-s8c-405b-512xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan-s8c-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-405b-512xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-405b-512xH100-80GB/planned_config.py --dry_run --target=512xH100-80GB
 """
 import ml_collections
 
@@ -52,6 +52,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:405b@512xH100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'offload_update': 'device',
               'pipeline_gather_once': False,
               'pipeline_microbatches': 512,
               'pipeline_repeats': 1,

@@ -1,11 +1,11 @@
-"""Planned on 2026-11-29 by
-  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan-s8c-70b-64xH100-80GB
+"""Planned on 2026-12-08 by
+  python main.py --config=configs/fsdp.py:70b --target=64xH100-80GB --plan --workdir=runs/plan-70b-64xH100-80GB
 
 bf16_master, Adam 32-bit, ZeRO-2, tensor 1, context 4 (ring), remat none, 1 microbatch(es), 8 stages x 128 pipeline microbatches (zb_h1)
-on 64xH100-80GB: compiled 66.2 GB per device (estimate 65.2 GB; usable 72.0 GB), estimated 16.93 s per step, 61,922 tokens/s.
+on 64xH100-80GB: compiled 66.8 GB per device (estimate 65.2 GB; usable 72.0 GB), estimated 16.93 s per step, 61,922 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan-s8c-70b-64xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan-s8c-70b-64xH100-80GB/planned_config.py --dry_run --target=64xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-70b-64xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-70b-64xH100-80GB/planned_config.py --dry_run --target=64xH100-80GB
 """
 import ml_collections
 
@@ -52,6 +52,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'name': 'planned:fsdp:70b@64xH100-80GB',
  'parallel': {'offload_frozen': False,
               'offload_optimizer': False,
+              'offload_update': 'device',
               'pipeline_gather_once': False,
               'pipeline_microbatches': 128,
               'pipeline_repeats': 1,

@@ -1,11 +1,11 @@
-"""Planned on 2026-11-29 by
-  python main.py --config=configs/fsdp.py:7b --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --plan --workdir=runs/plan-s8-7b-128k-8xH100-80GB
+"""Planned on 2026-12-08 by
+  python main.py --config=configs/fsdp.py:7b --target=8xH100-80GB --config.train.seq_len=131072 --config.model.max_seq_len=131072 --config.train.batch_size=8 --plan --workdir=runs/plan-7b-128k-8xH100-80GB
 
-bf16_mixed, Adam 8-bit, ZeRO-3, tensor 1, context 2 (ring), remat full, 2 microbatch(es)
-on 8xH100-80GB: compiled 64.9 GB per device (estimate 65.7 GB; usable 72.0 GB), estimated 96.53 s per step, 10,863 tokens/s.
+bf16_master, Adam 32-bit, ZeRO-2, tensor 2, context 4 (ring), remat dots, 8 microbatch(es), optimizer state in host memory
+on 8xH100-80GB: compiled 67.9 GB per device (estimate 68.0 GB; usable 72.0 GB), estimated 76.95 s per step, 13,627 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan-s8-7b-128k-8xH100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan-s8-7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
+Run it on the target:  python main.py --config=runs/plan-7b-128k-8xH100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-7b-128k-8xH100-80GB/planned_config.py --dry_run --target=8xH100-80GB
 """
 import ml_collections
 
@@ -22,7 +22,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
  'host_devices': 0,
  'init_from': '',
  'lora': {'alpha': 16.0, 'dropout': 0.0, 'rank': 0, 'targets': '.*attention/(query|value)'},
- 'mesh': {'context': 2, 'data': 1, 'fsdp': 4, 'stage': 1, 'tensor': 1},
+ 'mesh': {'context': 4, 'data': 1, 'fsdp': 1, 'stage': 1, 'tensor': 2},
  'model': {'attention': 'auto',
            'bias': False,
            'context_attention': 'ring',
@@ -39,7 +39,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'num_kv_heads': 32,
            'num_layers': 32,
            'positions': 'rope',
-           'remat': 'full',
+           'remat': 'dots',
            'rope_factor': 1.0,
            'rope_high_freq_factor': 4.0,
            'rope_low_freq_factor': 1.0,
@@ -51,15 +51,16 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'vocab_size': 32000},
  'name': 'planned:fsdp:7b@8xH100-80GB',
  'parallel': {'offload_frozen': False,
-              'offload_optimizer': False,
+              'offload_optimizer': True,
+              'offload_update': 'device',
               'pipeline_gather_once': False,
               'pipeline_microbatches': 1,
               'pipeline_repeats': 1,
               'pipeline_schedule': 'gpipe',
               'pipeline_stage_layers': '',
-              'zero_stage': 3},
- 'precision': 'bf16_mixed',
- 'quant': {'adam_bits': 8,
+              'zero_stage': 2},
+ 'precision': 'bf16_master',
+ 'quant': {'adam_bits': 32,
            'adam_block_size': 2048,
            'amax_history': 16,
            'block_size': 0,
@@ -82,7 +83,7 @@ CONFIG = {'compile_cache': '~/.cache/less-memory-lm/jax',
            'learning_rate': 0.0003,
            'log_every': 10,
            'max_bad_steps': 5,
-           'microbatches': 2,
+           'microbatches': 8,
            'min_lr_ratio': 0.1,
            'seed': 0,
            'seq_len': 131072,
