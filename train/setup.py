@@ -9,8 +9,8 @@ import jax
 from flax import linen
 
 from models.attention import compiling_for
-from models.hints import weights_split_over_data
 from models.config import ModelConfig
+from models.hints import weights_split_over_data
 from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.pipeline_1f1b import OneFOneB
 from parallel.pipeline_zb import ZeroBubble
