@@ -233,7 +233,8 @@ def _transposed_parameters(hlo: str) -> list[str]:
 def test_quantized_products_leave_the_stored_weights_as_they_are_on_gpus(quant):
   """A quantized matmul's operand is laid out contraction dims minor on a GPU; the step transposes
   each layer's 16-bit kernel in the layer scan (quant/matmul.py:_contraction_minor), not the
-  stacked fp32 weights at its start into copies held through it (7 of this model's 11 weights)."""
+  stacked fp32 weights at its start into copies held through it (int8: 7 of this model's 11
+  weights, int4: 2)."""
   from train import run
   config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
                           'parallel.zero_stage': 0, 'train.batch_size': 2, **quant})
