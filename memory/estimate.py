@@ -1386,11 +1386,14 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # unless remat is full or the gradients are summed over devices: then the layers' zero-filled
   # gradient stacks are there before the loss (the same step, remat full: f32 [16, 2048, 8192] x 3
   # and the attention's, 3.6 GiB, at the loss's peak, -11.9 % without them; 1b at 8 rows a device
-  # on 8 H100s, DDP and ZeRO-1, remat none and dots: -9.7 to -12.1 % without them).
+  # on 8 H100s, DDP and ZeRO-1, remat none and dots: -9.7 to -12.1 % without them). Under tensor
+  # parallelism they are not, even so (1b, remat full, 8 rows a device on 8 H100s, tensor 8, 4 x
+  # data 2 and 2 x data 4, bench.buffers --target --phases: no layer gradient stack at the loss;
+  # +10.2, +9.2 and +11.0 % counted).
   unformed = 0
   if on_gpu(shape) and frozen is None:
-    whole = (not shape.scatters_grads and shape.microbatches == 1 and cfg.remat != 'full'
-             and shape.data_parallel == 1)
+    whole = (not shape.scatters_grads and shape.microbatches == 1
+             and (shape.tensor > 1 or (cfg.remat != 'full' and shape.data_parallel == 1)))
     unformed = grads if whole else cfg.embedding_params * p / shards(cfg, shape, 'grads')
   update = (update_bytes(cfg, policy, shape) if frozen is None else   # the adapters' (fp32 Adam)
             {'chain': 0 if on_gpu(shape) else n * (FP32 + (p if p < FP32 else 0)) / shards(cfg, shape, 'optimizer')})
