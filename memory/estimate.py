@@ -1387,9 +1387,9 @@ def estimate(cfg: ModelConfig, policy: Policy, shape: StepShape,
   # gradient stacks are there before the loss (the same step, remat full: f32 [16, 2048, 8192] x 3
   # and the attention's, 3.6 GiB, at the loss's peak, -11.9 % without them; 1b at 8 rows a device
   # on 8 H100s, DDP and ZeRO-1, remat none and dots: -9.7 to -12.1 % without them). Under tensor
-  # parallelism they are not, even so (1b, remat full, 8 rows a device on 8 H100s, tensor 8, 4 x
-  # data 2 and 2 x data 4, bench.buffers --target --phases: no layer gradient stack at the loss;
-  # +10.2, +9.2 and +11.0 % counted).
+  # parallelism they are not, even so (1b, remat full, 8 rows a device on 8 H100s: tensor 8,
+  # tensor 4 x data 2 and tensor 2 x data 4, bench.buffers --target --phases: no layer gradient
+  # stack at the loss; +10.2, +9.2 and +11.0 % counted).
   unformed = 0
   if on_gpu(shape) and frozen is None:
     whole = (not shape.scatters_grads and shape.microbatches == 1
