@@ -83,7 +83,7 @@ once the update has spent the gradients, the head's table in the compute dtype, 
 and the tied head's in the compute dtype where the head's backward rounds it (models/loss.py), the
 lookup's gradient formed after the layers' backward, gradients not formed yet at the head's peak
 (`unformed_grads`; the whole layer gradients are, zero-filled, under remat full or where they
-are summed over devices), the head's weight-gradient point, two layers' weights in flight and the
+are summed over devices, but not under tensor parallelism), the head's weight-gradient point, two layers' weights in flight and the
 transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3's microbatches,
 beside the gradients' sum a microbatch's own set (two under ZeRO-3; in a pipeline the stage's
 carry is the second; none yet at the loss where the weights are not gathered), without remat the
@@ -93,7 +93,8 @@ probabilities in its backward, ZeRO-2's update sets where the device has room fo
 second copies over padded shards (`sweeps/estimate.py:gpu`: 79 of its 90 points within 5 %;
 WORKSPACE.md says why the others are not).
 
-Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own; they compile
+Not modelled, measured: quantized matmuls (`quant.mode`) have no terms of their own (on XLA:GPU,
+once quant/matmul.py keeps their weight stacks untransposed, they hold what bf16 holds); they compile
 within 3 % of this model, except int4 with learned scales (-10 %) and fp8 with delayed scaling
 (-6 %); fp16 with loss scaling compiled 12-18 % above it when the overflow skip was a select (it
 kept the old state, so the layer scans took their own copies of the stacked weights); 8-bit moments
