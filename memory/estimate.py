@@ -689,9 +689,11 @@ def gpu_saved_weight_casts(cfg: ModelConfig, policy: Policy, shape: StepShape,
   stored wider than the compute dtype and not gathered layer by layer (7b ZeRO-2 without remat in
   4 microbatches on 8 A100s, the planner's pick, bench.buffers --target: the forward scan's
   bf16 [32, 4096, 11008] x 3 and [32, 4096, 4096]-sized x 4 stacks, 12.06 GiB, -12.0 % without
-  them; 1b on one H200: bf16 [16, 2048, 8192] x 3 beside the activations)."""
+  them; 1b on one H200: bf16 [16, 2048, 8192] x 3 beside the activations). The float product
+  casts them again in the backward instead (models/dense.py:weight_casts_recomputed: the 1b step
+  46.55 -> 44.73 GiB), so only the quantized products, which quantize the cast, keep them."""
   if (not on_gpu(shape) or cfg.remat != 'none' or shape.gathers_params or frozen is not None
-      or policy.param_bytes <= policy.compute_bytes):
+      or policy.param_bytes <= policy.compute_bytes or policy.matmul.product == 'none'):
     return 0
   weights = shape.stage_layers(cfg) * (cfg.attention_params_per_layer + cfg.mlp_params_per_layer)
   return weights * policy.compute_bytes / shards(cfg, shape, 'params')

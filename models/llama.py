@@ -8,6 +8,7 @@ Packed rows (several documents per row) come with `segments` [batch, length], a 
 position (0: padding): attention stays within a document and positions restart at each.
 LoRA adapters (models/lora.py) are attached inside the same vmap, so they are stacked like the kernels.
 """
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -19,8 +20,9 @@ from jax.sharding import PartitionSpec
 
 from models import lora
 from models.config import ModelConfig
+from models.attention import compile_platform
 from models.context import from_zigzag, sequence_shards, to_zigzag, zigzag_order
-from models.dense import AdapterCall, Dense, logical_param
+from models.dense import AdapterCall, Dense, logical_param, weight_casts_recomputed
 from models.hints import constrain, logical_specs
 from models.layers import Block, make_norm, rope_tables
 from models.loss import head_gradient_rounded, token_losses
@@ -240,6 +242,11 @@ class Transformer(nnx.Module):
     layer_keys = (jax.random.split(dropout_key, cfg.num_layers)
                   if dropout_key is not None else None)
     graphdef, layers = nnx.split(self.blocks)
+    # Without remat the backward casts each layer's stored weights again (models/dense.py); off
+    # the CPU only, as SwiGLU's and the norm's: XLA:CPU keeps the program its figures are
+    # calibrated on.
+    casts = (weight_casts_recomputed if cfg.remat == 'none' and compile_platform() != 'cpu'
+             else contextlib.nullcontext)
 
     def layer(x, params, key, rows):
       """One block, a plain function of its (unstacked) weights, on the rows `rows` describes."""
@@ -247,9 +254,10 @@ class Transformer(nnx.Module):
       # A base in host memory streams in a layer at a time (as the scan slices it).
       block = nnx.merge(graphdef, weights_on_device(params))
       adapters = None if call is None else call.for_layer(key)
-      if rows is None:
-        return block(x, cos, sin, adapters)
-      return block(x, rows.get('cos'), rows.get('sin'), adapters, rows['segments'])
+      with casts():
+        if rows is None:
+          return block(x, cos, sin, adapters)
+        return block(x, rows.get('cos'), rows.get('sin'), adapters, rows['segments'])
 
     if cfg.remat != 'none':
       # Rolled, the forward and its recomputation sit in two loops, out of CSE's reach. Unrolled,

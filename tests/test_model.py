@@ -1,4 +1,6 @@
 """The decoder: causality, rotary embeddings, grouped-query attention, parameter bookkeeping."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,3 +264,32 @@ def test_swiglu_keeps_only_its_inputs_and_differentiates_within_bf16s_rounding(c
                                 (d_up, g64 * x * s, np.abs(g64 * x * s))]:
     bound = 2.0**-8 * np.abs(exact) + 12 * 2.0**-24 * magnitude * (1 + 2.0**-8)
     assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+
+
+def test_a_dense_product_casting_its_weight_again_keeps_no_cast_and_computes_the_same(capsys):
+  """models/dense.py:weight_casts_recomputed: a kernel stored in fp32 and multiplied in bf16 is
+  not kept in bf16 for the backward (autodiff keeps the cast it multiplied by); the product's
+  backward casts the stored kernel again, so the output and both gradients are the plain
+  product's bit for bit."""
+  from jax.ad_checkpoint import print_saved_residuals
+  from models.dense import Dense, weight_casts_recomputed
+  dense = Dense(64, (4, 16), axes=('embed', 'heads', 'head_dim'), init_std=0.02,
+                policy=get_policy('bf16_mixed'), rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(dense)
+  x = jax.random.normal(jax.random.key(1), (3, 64), jnp.float32)
+  g = jax.random.normal(jax.random.key(2), (3, 4, 16), jnp.float32).astype(jnp.bfloat16)
+
+  def product(recast):
+    def f(x, state):
+      with weight_casts_recomputed() if recast else contextlib.nullcontext():
+        return nnx.merge(graphdef, state)(x)
+    return f
+
+  def saved(f):
+    print_saved_residuals(f, x, state)
+    return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+  assert any('bf16[64,4,16]' in line for line in saved(product(False)))
+  assert not any('bf16[64,4,16]' in line for line in saved(product(True)))
+  results = [(y, *vjp(g)) for y, vjp in (jax.vjp(product(r), x, state) for r in (False, True))]
+  for plain, recast in zip(*(jax.tree.leaves(r) for r in results)):
+    np.testing.assert_array_equal(plain, recast)

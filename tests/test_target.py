@@ -260,6 +260,48 @@ def test_quantized_products_gather_no_kernel_to_lay_it_out_on_gpus(layout):
     assert not gathers
 
 
+def _stacked_weights_and_saved_copies(hlo: str, layers: int) -> tuple[set, set]:
+  """The dims of the step's stacked fp32 inputs ([layers, ...], at least 3 dims: the layers'
+  weights and their optimizer state), and those of them that a while loop (the forward layer
+  scan) carries or returns in bf16: copies of the weights."""
+  entry = hlo[hlo.index('\nENTRY '):]
+  stacked = {dims for dims in re.findall(r'= f32\[(\d+(?:,\d+){2,})\]\S* parameter\(', entry)
+             if int(dims.split(',')[0]) == layers}
+  carried = ''.join(re.findall(r'= \((.*?)\) while\(', hlo))
+  return stacked, {dims for dims in re.findall(r'bf16\[([\d,]+)\]', carried) if dims in stacked}
+
+
+@needs_plugin
+@pytest.mark.parametrize('unrolled', [1, 2])
+def test_without_remat_the_forward_keeps_no_copy_of_the_weights_on_gpus(unrolled, monkeypatch):
+  """Without remat the backward casts each layer's fp32 weights to bf16 again
+  (models/dense.py:weight_casts_recomputed) rather than the forward scan stacking the casts:
+  rolled, no loop carries a bf16 copy of a stacked weight (with the casts kept, the forward scan
+  returns one of every weight); rolled or unrolled, the step holds less than with them kept."""
+  import contextlib
+
+  from models import llama
+  from train import run
+  config = tiny_config(**{'precision': 'bf16_mixed', 'mesh.data': 1, 'mesh.fsdp': 1,
+                          'parallel.zero_stage': 0, 'model.remat': 'none',
+                          'model.scan_unroll': unrolled})
+  devices = compile_devices(parse_target('1xH100-80GB'))
+  programs = {}
+  for kept in (False, True):
+    if kept:
+      monkeypatch.setattr(llama, 'weight_casts_recomputed', contextlib.nullcontext)
+    s = run.setup(config, devices)
+    compiled = run.compile_train_step(s)
+    programs[kept] = (compiled.as_text(),
+                      run.memory_report(s, compiled)['per_device_bytes']['temp'])
+  layers = config.model.num_layers
+  if unrolled == 1:
+    stacked, copies = _stacked_weights_and_saved_copies(programs[False][0], layers)
+    assert copies == set(), copies
+    assert _stacked_weights_and_saved_copies(programs[True][0], layers)[1] == stacked
+  assert programs[False][1] < programs[True][1], (programs[False][1], programs[True][1])
+
+
 @needs_plugin
 @pytest.mark.parametrize('layers, unrolled, seq_len', [(2, 2, 64), (1, 1, 256)])
 def test_remat_keeps_less_than_none_where_the_layer_scan_is_no_loop_on_gpus(layers, unrolled,
