@@ -27,13 +27,18 @@ from quant.matmul import quantized_dot
 from quant.weights import QuantizedKernel, QuantizedWeight, check_format
 
 
-_CASTS_RECOMPUTED = contextvars.ContextVar('weight_casts_recomputed', default=False)
+# None: the products keep their casts; else whether their recomputation must be kept from CSE.
+_CASTS_RECOMPUTED = contextvars.ContextVar('weight_casts_recomputed', default=None)
 
 
 @contextlib.contextmanager
-def weight_casts_recomputed():
+def weight_casts_recomputed(prevent_cse: bool):
   """Trace-time context: the float products below cast their stored kernels to the compute
   dtype again in the backward pass instead of keeping the casts from the forward.
+  `prevent_cse`: where the forward and the backward are one computation (an unrolled layer
+  scan), keep XLA from merging the recomputed casts back into the forward's; in a rolled scan
+  leave it off, since the barrier it adds kept XLA:GPU from merging the q, k and v weight
+  gradients into one product (14 against 12 GEMMs a layer at 1b).
 
   Without remat, autodiff keeps the product's operands for the backward, and for a kernel stored
   wider than it computes that is its compute-dtype copy: the 1b step without remat compiled for
@@ -42,7 +47,7 @@ def weight_casts_recomputed():
   among the slowest non-matmul kernels (32 GB/s). Recomputed, the backward reads the stored
   weights, which the step holds anyway: that step 46.55 -> 44.73 GiB, 7b under ZeRO-2 in 4
   microbatches on 8 A100s 62.11 -> 50.31 GiB (compiled for the GPUs, bench.buffers --target)."""
-  token = _CASTS_RECOMPUTED.set(True)
+  token = _CASTS_RECOMPUTED.set(prevent_cse)
   try:
     yield
   finally:
@@ -122,11 +127,11 @@ class Dense(nnx.Module):
 
     if isinstance(self.kernel, QuantizedKernel):   # weight-only quantized storage (quant/weights.py)
       y = product(x, self.kernel.dequantize(dtype))
-    elif (_CASTS_RECOMPUTED.get() and self.policy.matmul.product == 'none'
+    elif (_CASTS_RECOMPUTED.get() is not None and self.policy.matmul.product == 'none'
           and jnp.dtype(self.kernel.dtype).itemsize > jnp.dtype(dtype).itemsize):
       cast_product = lambda x, stored: product(x, stored.astype(dtype))
-      y = jax.checkpoint(cast_product, policy=jax.checkpoint_policies.nothing_saveable)(
-          x, self.kernel[...])
+      y = jax.checkpoint(cast_product, policy=jax.checkpoint_policies.nothing_saveable,
+                         prevent_cse=_CASTS_RECOMPUTED.get())(x, self.kernel[...])
     else:
       y = product(x, self.kernel[...].astype(dtype))
     if self.bias is not None:

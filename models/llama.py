@@ -242,11 +242,16 @@ class Transformer(nnx.Module):
     layer_keys = (jax.random.split(dropout_key, cfg.num_layers)
                   if dropout_key is not None else None)
     graphdef, layers = nnx.split(self.blocks)
+    # Rolled, the forward and the backward's recomputation sit in two loops, out of CSE's reach.
+    # Unrolled, or one layer (XLA drops a loop of one trip), they meet in one computation, where
+    # XLA:GPU merges the recomputation into the forward unless told not to: the 1b step with remat
+    # full, unrolled and compiled for an H200, kept remat none's 46.55 GiB (30.83 rolled).
+    meets_forward = cfg.scan_unroll > 1 or cfg.num_layers == 1
     # Without remat the backward casts each layer's stored weights again (models/dense.py); off
     # the CPU only, as SwiGLU's and the norm's: XLA:CPU keeps the program its figures are
     # calibrated on.
-    casts = (weight_casts_recomputed if cfg.remat == 'none' and compile_platform() != 'cpu'
-             else contextlib.nullcontext)
+    casts = (functools.partial(weight_casts_recomputed, prevent_cse=meets_forward)
+             if cfg.remat == 'none' and compile_platform() != 'cpu' else contextlib.nullcontext)
 
     def layer(x, params, key, rows):
       """One block, a plain function of its (unstacked) weights, on the rows `rows` describes."""
@@ -260,11 +265,6 @@ class Transformer(nnx.Module):
         return block(x, rows.get('cos'), rows.get('sin'), adapters, rows['segments'])
 
     if cfg.remat != 'none':
-      # Rolled, the forward and its recomputation sit in two loops, out of CSE's reach. Unrolled,
-      # or one layer (XLA drops a loop of one trip), they meet in one computation, and XLA:GPU
-      # merged the recomputation into the forward: the 1b step with remat full, unrolled and
-      # compiled for an H200, kept remat none's 46.55 GiB (30.83 rolled; WORKSPACE, 2026-12-07).
-      meets_forward = cfg.scan_unroll > 1 or cfg.num_layers == 1
       layer = jax.checkpoint(layer, policy=_REMAT[cfg.remat], prevent_cse=meets_forward)
     return x, layer, layers, layer_keys, row_inputs, call
 

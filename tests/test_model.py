@@ -281,7 +281,7 @@ def test_a_dense_product_casting_its_weight_again_keeps_no_cast_and_computes_the
 
   def product(recast):
     def f(x, state):
-      with weight_casts_recomputed() if recast else contextlib.nullcontext():
+      with weight_casts_recomputed(False) if recast else contextlib.nullcontext():
         return nnx.merge(graphdef, state)(x)
     return f
 
