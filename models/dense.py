@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.hints import shards, weights_whole
+from models.hints import shards, weights_gathered, weights_whole
 from models.loss import head_gradient_rounded
 from precision.policy import Policy
 from quant import fp8, lsq
@@ -46,7 +46,9 @@ def weight_casts_recomputed(prevent_cse: bool):
   a kernel per weight and layer, and its H200 profile had the q/k/v kernels' stack writes
   among the slowest non-matmul kernels (32 GB/s). Recomputed, the backward reads the stored
   weights, which the step holds anyway: that step 46.55 -> 44.73 GiB, 7b under ZeRO-2 in 4
-  microbatches on 8 A100s 62.11 -> 50.31 GiB (compiled for the GPUs, bench.buffers --target)."""
+  microbatches on 8 A100s 62.11 -> 50.31 GiB (compiled for the GPUs, bench.buffers --target).
+  Not where the weights are gathered (ZeRO-3): the backward gathers them again anyway, and
+  recomputed there the cast followed the gather (1b on 8 H100s +0.4 GiB)."""
   token = _CASTS_RECOMPUTED.set(prevent_cse)
   try:
     yield
@@ -128,7 +130,8 @@ class Dense(nnx.Module):
     if isinstance(self.kernel, QuantizedKernel):   # weight-only quantized storage (quant/weights.py)
       y = product(x, self.kernel.dequantize(dtype))
     elif (_CASTS_RECOMPUTED.get() is not None and self.policy.matmul.product == 'none'
-          and jnp.dtype(self.kernel.dtype).itemsize > jnp.dtype(dtype).itemsize):
+          and jnp.dtype(self.kernel.dtype).itemsize > jnp.dtype(dtype).itemsize
+          and not weights_gathered()):
       cast_product = lambda x, stored: product(x, stored.astype(dtype))
       y = jax.checkpoint(cast_product, policy=jax.checkpoint_policies.nothing_saveable,
                          prevent_cse=_CASTS_RECOMPUTED.get())(x, self.kernel[...])

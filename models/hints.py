@@ -44,11 +44,17 @@ def weights_split_over_data(split: bool):
     _SPLIT_OVER_DATA.reset(token)
 
 
+def weights_gathered() -> bool:
+  """Whether the layout stores the weights split over the data-parallel devices, so that XLA
+  gathers each where it is used (`weights_split_over_data`; outside one, taken as split)."""
+  return _SPLIT_OVER_DATA.get()
+
+
 def weights_whole(axes: tuple) -> bool:
   """Whether each device holds a weight of logical `axes` whole as stored: not split over the
   data-parallel devices (`weights_split_over_data`; outside one, taken as split) nor over a
   model-parallel axis by the rules in context."""
-  return not _SPLIT_OVER_DATA.get() and all(shards(axis) == 1 for axis in axes)
+  return not weights_gathered() and all(shards(axis) == 1 for axis in axes)
 
 
 def logical_specs(state):
