@@ -1,11 +1,11 @@
-"""Planned on 2026-12-07 by
-  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=runs/plan-s8-7b-8xA100-80GB
+"""Planned on 2026-12-08 by
+  python main.py --config=configs/fsdp.py:7b --plan --target=8xA100-80GB --workdir=runs/plan-7b-8xA100-80GB
 
 bf16_mixed, Adam 8-bit, ZeRO-2, tensor 1, remat none, 4 microbatch(es)
-on 8xA100-80GB: compiled 66.7 GB per device (estimate 68.3 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
+on 8xA100-80GB: compiled 53.8 GB per device (estimate 55.3 GB; usable 72.0 GB), estimated 5.38 s per step, 24,342 tokens/s.
 
-Run it on the target:  python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py
-Size it here:          python main.py --config=runs/plan-s8-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
+Run it on the target:  python main.py --config=runs/plan-7b-8xA100-80GB/planned_config.py
+Size it here:          python main.py --config=runs/plan-7b-8xA100-80GB/planned_config.py --dry_run --target=8xA100-80GB
 """
 import ml_collections
 
