@@ -46,7 +46,7 @@ def weight_casts_recomputed(prevent_cse: bool):
   a kernel per weight and layer, and its H200 profile had the q/k/v kernels' stack writes
   among the slowest non-matmul kernels (32 GB/s). Recomputed, the backward reads the stored
   weights, which the step holds anyway: that step 46.55 -> 44.73 GiB, 7b under ZeRO-2 in 4
-  microbatches on 8 A100s 62.11 -> 50.31 GiB (compiled for the GPUs, bench.buffers --target).
+  microbatches on 8 A100s 62.11 -> 50.09 GiB (compiled for the GPUs, bench.buffers --target).
   Not where the weights are gathered (ZeRO-3): the backward gathers them again anyway, and
   recomputed there the cast followed the gather (1b on 8 H100s +0.4 GiB)."""
   token = _CASTS_RECOMPUTED.set(prevent_cse)
