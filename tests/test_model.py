@@ -270,18 +270,20 @@ def test_a_dense_product_casting_its_weight_again_keeps_no_cast_and_computes_the
   """models/dense.py:weight_casts_recomputed: a kernel stored in fp32 and multiplied in bf16 is
   not kept in bf16 for the backward (autodiff keeps the cast it multiplied by); the product's
   backward casts the stored kernel again, so the output and both gradients are the plain
-  product's bit for bit."""
+  product's bit for bit. Weights stored split for ZeRO-3 to gather keep their casts."""
   from jax.ad_checkpoint import print_saved_residuals
   from models.dense import Dense, weight_casts_recomputed
+  from models.hints import weights_split_over_data
   dense = Dense(64, (4, 16), axes=('embed', 'heads', 'head_dim'), init_std=0.02,
                 policy=get_policy('bf16_mixed'), rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(dense)
   x = jax.random.normal(jax.random.key(1), (3, 64), jnp.float32)
   g = jax.random.normal(jax.random.key(2), (3, 4, 16), jnp.float32).astype(jnp.bfloat16)
 
-  def product(recast):
+  def product(recast, gathered=False):
     def f(x, state):
-      with weight_casts_recomputed(False) if recast else contextlib.nullcontext():
+      with (weights_split_over_data(gathered),
+            weight_casts_recomputed(False) if recast else contextlib.nullcontext()):
         return nnx.merge(graphdef, state)(x)
     return f
 
@@ -290,6 +292,7 @@ def test_a_dense_product_casting_its_weight_again_keeps_no_cast_and_computes_the
     return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
   assert any('bf16[64,4,16]' in line for line in saved(product(False)))
   assert not any('bf16[64,4,16]' in line for line in saved(product(True)))
+  assert any('bf16[64,4,16]' in line for line in saved(product(True, gathered=True)))
   results = [(y, *vjp(g)) for y, vjp in (jax.vjp(product(r), x, state) for r in (False, True))]
   for plain, recast in zip(*(jax.tree.leaves(r) for r in results)):
     np.testing.assert_array_equal(plain, recast)
