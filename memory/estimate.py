@@ -87,7 +87,8 @@ are summed over devices, but not under tensor parallelism), the head's weight-gr
 transposed gradient stacks under ZeRO-3, the saved stacks once more under ZeRO-3's microbatches,
 beside the gradients' sum a microbatch's own set (two under ZeRO-3; in a pipeline the stage's
 carry is the second; none yet at the loss where the weights are not gathered), without remat the
-weights' saved compute-dtype casts, a frozen table taken as stored, a recomputed layer and
+quantized products' saved compute-dtype casts of the weights (a float product casts again in the
+backward), a frozen table taken as stored, a recomputed layer and
 tensor-parallel partial sums in the compute dtype, cuDNN's segment-mask bias and no block of
 probabilities in its backward, ZeRO-2's update sets where the device has room for them, ZeRO-1's
 second copies over padded shards (`sweeps/estimate.py:gpu`: 79 of its 90 points within 5 %;

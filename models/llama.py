@@ -245,7 +245,8 @@ class Transformer(nnx.Module):
     # Rolled, the forward and the backward's recomputation sit in two loops, out of CSE's reach.
     # Unrolled, or one layer (XLA drops a loop of one trip), they meet in one computation, where
     # XLA:GPU merges the recomputation into the forward unless told not to: the 1b step with remat
-    # full, unrolled and compiled for an H200, kept remat none's 46.55 GiB (30.83 rolled).
+    # full, unrolled and compiled for an H200, kept what remat none then held, 46.55 GiB (30.83
+    # rolled).
     meets_forward = cfg.scan_unroll > 1 or cfg.num_layers == 1
     # Without remat the backward casts each layer's stored weights again (models/dense.py); off
     # the CPU only, as SwiGLU's and the norm's: XLA:CPU keeps the program its figures are

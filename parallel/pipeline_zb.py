@@ -16,7 +16,9 @@ the head, loss and loss gradient after them where the last stage's F made an out
 F runs its chunk under `jax.vjp` and keeps, in its microbatch's slot, the pullback's residuals
 that depend on the microbatch (its input, rows and dropout keys; what they are is the model's
 remat policy's: a layer's input under `full`). The residuals that depend on the weights alone (the
-weights, their casts) are made once per step, before the loop, not per slot. B calls the pullback
+weights, and their casts where the product keeps them: off the CPU without remat a float product
+casts again in its backward, models/dense.py) are made once per step, before the loop, not per
+slot. B calls the pullback
 for the input's gradient, W for the weights', and XLA drops the half each does not use: nothing is
 recomputed beyond what the remat policy recomputes (under remat, B and W each run the layers'
 forward again from the kept inputs, a layer at a time in a loop), so without remat F, B and W each

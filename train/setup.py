@@ -4,6 +4,7 @@ the pipeline's schedule. Its own module so that the parts of a run (init_from, l
 the benchmarks can name its type without importing the run."""
 import contextlib
 import dataclasses
+import math
 
 import jax
 from flax import linen
@@ -14,7 +15,7 @@ from models.hints import weights_split_over_data
 from parallel.pipeline import PipelineSchedule, pipelined
 from parallel.pipeline_1f1b import OneFOneB
 from parallel.pipeline_zb import ZeroBubble
-from parallel.rules import SHARDED, LayoutRules
+from parallel.rules import SHARDED, ZERO_AXES, LayoutRules
 from precision.policy import Policy
 from train.state import ModelSpec, StateLayout
 
@@ -52,7 +53,10 @@ class Setup:
     stack.enter_context(jax.set_mesh(self.mesh))
     stack.enter_context(linen.logical_axis_rules(self.rules.activations))
     stack.enter_context(compiling_for(self.platform))
-    stack.enter_context(weights_split_over_data(self.rules.params == SHARDED))
+    # Split where ZeRO-3 spreads them over more than one device (as the estimate's
+    # `gathers_params`): over one, nothing is gathered and the weights are whole.
+    zero_devices = math.prod(self.mesh.shape[axis] for axis in ZERO_AXES)
+    stack.enter_context(weights_split_over_data(self.rules.params == SHARDED and zero_devices > 1))
     return stack
 
 
