@@ -22,12 +22,13 @@ the softmax: nothing between the product and the softmax is rounded to the compu
 first would round q * 1/sqrt(d), inexact unless d is a power of 4). The probabilities are rounded
 to the compute dtype only as an operand of the product with v.
 """
-import contextlib
 import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models.hints import trace_setting
 
 ATTENTIONS = ('auto', 'xla', 'flash', 'cudnn')
 # Query and key positions per flash block. On an accelerator 512 keeps a block's fp32 scores at
@@ -43,16 +44,11 @@ FLASH_BLOCK_CPU = 64
 _COMPILE_PLATFORM = contextvars.ContextVar('compile_platform', default=None)
 
 
-@contextlib.contextmanager
 def compiling_for(platform: str):
   """Trace-time context: the model is traced for devices of `platform` (`gpu`, `cpu`), which the
   choices below read instead of JAX's default backend (a step compiled for GPUs that are not
   here is traced on a CPU)."""
-  token = _COMPILE_PLATFORM.set(platform)
-  try:
-    yield
-  finally:
-    _COMPILE_PLATFORM.reset(token)
+  return trace_setting(_COMPILE_PLATFORM, platform)
 
 
 def compile_platform() -> str:

@@ -10,7 +10,6 @@ quantized and frozen (quant/weights.py: QLoRA's base, or a post-training quantiz
 `quantize_weights` / `dequantize_weights` below swap every kernel of a model between the two.
 `AdapterCall` is what a forward pass tells the adapter hook (dropout key, reference rows).
 """
-import contextlib
 import contextvars
 import dataclasses
 from typing import Sequence
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.hints import shards, weights_gathered, weights_whole
+from models.hints import shards, trace_setting, weights_gathered, weights_whole
 from models.loss import head_gradient_rounded
 from precision.policy import Policy
 from quant import fp8, lsq
@@ -31,7 +30,6 @@ from quant.weights import QuantizedKernel, QuantizedWeight, check_format
 _CASTS_RECOMPUTED = contextvars.ContextVar('weight_casts_recomputed', default=None)
 
 
-@contextlib.contextmanager
 def weight_casts_recomputed(prevent_cse: bool):
   """Trace-time context: the float products below cast their stored kernels to the compute
   dtype again in the backward pass instead of keeping the casts from the forward.
@@ -49,11 +47,7 @@ def weight_casts_recomputed(prevent_cse: bool):
   microbatches on 8 A100s 62.11 -> 50.09 GiB (compiled for the GPUs, bench.buffers --target).
   Not where the weights are gathered (ZeRO-3): the backward gathers them again anyway, and
   recomputed there the cast followed the gather (1b on 8 H100s +0.4 GiB)."""
-  token = _CASTS_RECOMPUTED.set(prevent_cse)
-  try:
-    yield
-  finally:
-    _CASTS_RECOMPUTED.reset(token)
+  return trace_setting(_CASTS_RECOMPUTED, prevent_cse)
 
 
 @jax.tree_util.register_dataclass

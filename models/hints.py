@@ -30,18 +30,23 @@ def shards(axis: str) -> int:
   return math.prod(mesh.shape[name] for name in names if name in mesh.shape)
 
 
-_SPLIT_OVER_DATA = contextvars.ContextVar('weights_split_over_data', default=True)
-
-
 @contextlib.contextmanager
-def weights_split_over_data(split: bool):
-  """Trace-time context: whether the layout stores the weights split over the data-parallel
-  devices (ZeRO-3), where XLA gathers each where it is used."""
-  token = _SPLIT_OVER_DATA.set(split)
+def trace_setting(var: contextvars.ContextVar, value):
+  """Trace-time context: `var` holds `value` inside it (the model reads it while it is traced)."""
+  token = var.set(value)
   try:
     yield
   finally:
-    _SPLIT_OVER_DATA.reset(token)
+    var.reset(token)
+
+
+_SPLIT_OVER_DATA = contextvars.ContextVar('weights_split_over_data', default=True)
+
+
+def weights_split_over_data(split: bool):
+  """Trace-time context: whether the layout stores the weights split over the data-parallel
+  devices (ZeRO-3), where XLA gathers each where it is used."""
+  return trace_setting(_SPLIT_OVER_DATA, split)
 
 
 def weights_gathered() -> bool:
